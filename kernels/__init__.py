@@ -1,0 +1,1 @@
+"""Fused Triton loss kernels, imported as ``megatron_mimesis.kernels``."""

