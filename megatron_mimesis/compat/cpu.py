@@ -1,0 +1,178 @@
+"""The single place that lets megatron-core run on a CPU-only machine with gloo.
+
+megatron-core is written for CUDA: it passes ``device="cuda"`` / ``torch.cuda.current_device()`` to
+tensor factories (masks, p2p buffers, schedule counters, DeltaNet parameters), keeps its model-parallel
+RNG streams in the CUDA generator, calls stream/event/synchronize APIs around gradient sync, and
+compares ``Tensor.type()`` strings with ``'torch.cuda.FloatTensor'`` in the optimizer. None of that is
+needed for correctness on CPU. Rather than forking megatron-core, this module:
+
+- routes every CUDA device argument to the CPU through a ``TorchFunctionMode`` (factory calls,
+  ``.to(...)``, ``.cuda()``);
+- maps the CUDA RNG API onto the CPU default generator, so that the model-parallel RNG tracker forks and
+  restores a real generator state and per-rank seeds take effect (a CPU build silently queues
+  ``torch.cuda.manual_seed`` otherwise);
+- turns streams, events and synchronisation into no-ops;
+- reports CPU float tensors under their CUDA type names to megatron's string checks;
+- turns off TorchDynamo: megatron wraps small fusions in ``torch.compile``, which on CPU buys nothing and
+  costs 10-20 s of compilation in every new process (every rank of every multi-process test).
+
+It is switched on by :func:`enable_cpu_compat` when CUDA is absent (or when forced by a test), is
+idempotent, and never runs on a GPU machine. The substitutes for the GPU-only Gated DeltaNet kernels
+live beside it in :mod:`megatron_mimesis.compat.fla_fallback`.
+"""
+
+import contextlib
+import logging
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_lock = threading.Lock()
+_enabled = False
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # torch.cuda.current_device() returns an int index
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of any torch call to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(args[0])
+        return func(*args, **kwargs)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _cuda_type_name(tensor: torch.Tensor) -> str:
+    # megatron's optimizer and grad clipping select code paths by comparing type() strings with the CUDA ones
+    return _CUDA_TYPE_NAMES.get(tensor.dtype) or torch._C.TensorBase.type(tensor)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream / Event: every call is a no-op, every wait is already satisfied."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed):
+    # torch.manual_seed would call back into torch.cuda.manual_seed_all; seed the generator directly.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_torch_cuda():
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.get_rng_state = _cpu_get_rng_state
+    cuda.set_rng_state = _cpu_set_rng_state
+    cuda.random.get_rng_state = _cpu_get_rng_state
+    cuda.random.set_rng_state = _cpu_set_rng_state
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.manual_seed_all = _cpu_manual_seed
+    cuda.random.manual_seed = _cpu_manual_seed
+    cuda.random.manual_seed_all = _cpu_manual_seed
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+
+
+def _patch_megatron_rng():
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    # The tracker warns when the CPU generator moves inside a forked "CUDA" stream; here they are one generator.
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
+
+
+def cuda_is_usable() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def enable_cpu_compat(force: bool = False) -> bool:
+    """Make megatron-core usable on this CPU-only process; returns whether the adaptation is active.
+
+    A no-op when CUDA is usable, unless ``force`` (tests of the adaptation itself). Safe to call many times.
+    """
+    global _enabled
+    with _lock:
+        if _enabled:
+            return True
+        if cuda_is_usable() and not force:
+            return False
+        _patch_torch_cuda()
+        _patch_megatron_rng()
+        torch._dynamo.config.disable = True
+        from megatron_mimesis.compat.fla_fallback import install_fla_fallback
+
+        install_fla_fallback()
+        _CudaToCpuMode().__enter__()  # process-wide: stays pushed for the life of the process
+        _enabled = True
+        return True
+
+
+def cpu_compat_enabled() -> bool:
+    return _enabled
+
+
+def compute_device() -> torch.device:
+    """The device model tensors live on: the local GPU, or the CPU when the adaptation is active."""
+    if cuda_is_usable() and not _enabled:
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU

@@ -1,0 +1,63 @@
+"""Moving Hugging Face Qwen3.5 weights into (and out of) a live, possibly TP/PP-sharded megatron model.
+
+Pure tensor layout lives in :mod:`mapping`; this module only knows which shard and which layers the
+calling rank holds.
+"""
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_mimesis.models.mapping import hf_to_megatron, localize_layer_names, megatron_to_hf, qwen35_mapping
+from megatron_mimesis.models.presets import Qwen35Preset
+
+
+def _layer_offset(model) -> int:
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def _stage_names(model, table) -> dict[str, str]:
+    """Global names of the table -> this chunk's names, for the parameters this chunk holds."""
+    offset = _layer_offset(model)
+    local = localize_layer_names([m.megatron for m in table], offset)
+    held = {name for name, _ in model.named_parameters()}
+    return {g: n for g, n in local.items() if n in held}
+
+
+def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Qwen35Preset, padded_vocab: int) -> None:
+    """Copy full HF tensors into this rank's parameters of one model chunk; every parameter must be covered."""
+    table = qwen35_mapping(preset, padded_vocab)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    names = _stage_names(model, table)
+    wanted = [m for m in table if m.megatron in names]
+    shard = hf_to_megatron(hf_state, wanted, tp)[rank]
+    if preset.tie_word_embeddings and model.post_process and not model.pre_process:
+        # the last stage keeps its own copy of the tied embedding as output_layer.weight
+        shard["output_layer.weight"] = hf_to_megatron(hf_state, table[:1], tp)[rank]["embedding.word_embeddings.weight"]
+        names["output_layer.weight"] = "output_layer.weight"
+    params = dict(model.named_parameters())
+    uncovered = sorted(set(params) - set(names.values()))
+    if uncovered:
+        raise KeyError(f"parameters with no HF source: {uncovered}")
+    with torch.no_grad():
+        for global_name, tensor in shard.items():
+            param = params[names[global_name]]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{names[global_name]}: model shape {tuple(param.shape)} != mapped {tuple(tensor.shape)}")
+            param.copy_(tensor)
+
+
+def gather_hf_weights(model, preset: Qwen35Preset, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """Full HF tensors of the layers this pipeline stage holds, gathered over the TP group (all TP ranks get them)."""
+    table = qwen35_mapping(preset, padded_vocab)
+    names = _stage_names(model, table)
+    params = dict(model.named_parameters())
+    local = {g: params[n].detach() for g, n in names.items()}
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    shards = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(shards, local, group=tp_group)
+    return megatron_to_hf(shards, [m for m in table if m.megatron in names])

@@ -1,0 +1,264 @@
+"""The one Hugging Face <-> Megatron parameter mapping for Qwen3.5, each entry usable in both directions.
+
+Every entry names one megatron parameter and the HF tensors it is made of, and knows how to cut the HF
+tensors into per-tensor-parallel-rank shards (``to_megatron``) and how to glue a list of shards back into
+the HF tensors (``to_hf``). The trainer's HF initialisation, the tests and the checkpoint converter all go
+through this table (in the style of Megatron-Bridge's param-mapping classes).
+
+Layouts that peers have got wrong, spelled out:
+
+- Gated attention: HF ``q_proj`` holds per head ``[q_h; gate_h]``; megatron's ``linear_qkv`` holds per
+  query group ``[q heads of the group, gate heads of the group, k, v]`` and TP splits whole groups.
+- Gated DeltaNet: HF ``in_proj_qkv`` (q, k, v sections), ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` ->
+  megatron ``in_proj`` whose rank-r slice is ``[q_r, k_r, v_r, z_r, b_r, a_r]``: each part is split by TP
+  first and the rank's pieces concatenated (chunking the fused tensor would mix parts across ranks).
+  ``conv1d`` likewise per rank ``[q_r; k_r; v_r]``; ``A_log`` / ``dt_bias`` are split on dim 0.
+- Norms: decoder norms are zero-centred on both sides (``y = norm(x) * (1 + w)``); the DeltaNet output
+  norm is plain in HF and zero-centred in megatron, so ``w_megatron = w_hf - 1``.
+- Vocabulary rows are padded with zeros to the padded vocab size and stripped on the way back.
+
+Names on the megatron side use *global* layer indices; :func:`localize_layer_names` renumbers them for a
+pipeline stage. HF names are those of ``Qwen3_5ForCausalLM`` (``model.layers.N...``).
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_mimesis.models.presets import Qwen35Preset
+
+Part = tuple[str, int, int]  # (hf tensor name, first row, number of rows)
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Same tensor on every TP rank, optionally shifted (DeltaNet output norm: w_mcore = w_hf + offset)."""
+
+    megatron: str
+    hf: str
+    offset: float = 0.0
+
+    def hf_names(self) -> list[str]:
+        return [self.hf]
+
+    def to_megatron(self, hf: Mapping[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
+        t = hf[self.hf] + self.offset if self.offset else hf[self.hf]
+        return [t.clone() for _ in range(tp)]
+
+    def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = shards[0] - self.offset if self.offset else shards[0]
+        return {self.hf: t.clone()}
+
+
+@dataclass(frozen=True)
+class Split:
+    """One HF tensor split evenly across TP ranks along ``dim`` (column-parallel: 0, row-parallel: 1)."""
+
+    megatron: str
+    hf: str
+    dim: int
+
+    def hf_names(self) -> list[str]:
+        return [self.hf]
+
+    def to_megatron(self, hf: Mapping[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
+        return [c.clone() for c in _even_chunks(hf[self.hf], tp, self.dim, self.hf)]
+
+    def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.hf: torch.cat(list(shards), dim=self.dim)}
+
+
+@dataclass(frozen=True)
+class VocabSplit:
+    """Embedding / output rows: padded with zero rows to ``padded_vocab``, then split on dim 0."""
+
+    megatron: str
+    hf: str
+    vocab: int
+    padded_vocab: int
+
+    def hf_names(self) -> list[str]:
+        return [self.hf]
+
+    def to_megatron(self, hf: Mapping[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
+        t = hf[self.hf]
+        if t.shape[0] != self.vocab:
+            raise ValueError(f"{self.hf}: {t.shape[0]} rows, expected vocab size {self.vocab}")
+        padded = torch.cat([t, t.new_zeros(self.padded_vocab - self.vocab, *t.shape[1:])], dim=0)
+        return [c.clone() for c in _even_chunks(padded, tp, 0, self.hf)]
+
+    def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.hf: torch.cat(list(shards), dim=0)[: self.vocab].clone()}
+
+
+@dataclass(frozen=True)
+class PerRankConcat:
+    """A fused megatron tensor whose TP shard is the concatenation of each part's own TP slice.
+
+    ``parts`` are row ranges of HF tensors (a whole tensor or a section of one, e.g. the q rows of
+    ``in_proj_qkv``), in the order megatron concatenates them within a rank.
+    """
+
+    megatron: str
+    parts: tuple[Part, ...]
+
+    def hf_names(self) -> list[str]:
+        return list(dict.fromkeys(name for name, _, _ in self.parts))
+
+    def to_megatron(self, hf: Mapping[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
+        per_part = [
+            _even_chunks(hf[name][start : start + rows], tp, 0, f"{name}[{start}:{start + rows}]")
+            for name, start, rows in self.parts
+        ]
+        return [torch.cat([chunks[r] for chunks in per_part], dim=0) for r in range(tp)]
+
+    def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        tp = len(shards)
+        sizes = [rows // tp for _, _, rows in self.parts]
+        pieces = [torch.split(s, sizes, dim=0) for s in shards]
+        by_name: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for i, (name, start, _) in enumerate(self.parts):
+            by_name.setdefault(name, []).append((start, torch.cat([p[i] for p in pieces], dim=0)))
+        return {name: torch.cat([t for _, t in sorted(parts, key=lambda x: x[0])], dim=0)
+                for name, parts in by_name.items()}
+
+
+@dataclass(frozen=True)
+class GatedQKV:
+    """HF q_proj (per head [q; gate]), k_proj, v_proj <-> megatron linear_qkv (per group [q.., gate.., k, v])."""
+
+    megatron: str
+    q: str
+    k: str
+    v: str
+    num_heads: int
+    num_groups: int
+    head_dim: int
+
+    def hf_names(self) -> list[str]:
+        return [self.q, self.k, self.v]
+
+    def _full(self, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        heads_per_group, d = self.num_heads // self.num_groups, self.head_dim
+        q_gate = hf[self.q].reshape(self.num_groups, heads_per_group, 2, d, -1)
+        q = q_gate[:, :, 0].reshape(self.num_groups, heads_per_group * d, -1)
+        gate = q_gate[:, :, 1].reshape(self.num_groups, heads_per_group * d, -1)
+        k = hf[self.k].reshape(self.num_groups, d, -1)
+        v = hf[self.v].reshape(self.num_groups, d, -1)
+        return torch.cat([q, gate, k, v], dim=1).reshape(-1, q.shape[-1])
+
+    def to_megatron(self, hf: Mapping[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
+        if self.num_groups % tp:
+            raise ValueError(f"{self.megatron}: TP={tp} must divide the {self.num_groups} query groups")
+        return [c.clone() for c in torch.chunk(self._full(hf), tp, dim=0)]
+
+    def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        heads_per_group, d = self.num_heads // self.num_groups, self.head_dim
+        full = torch.cat(list(shards), dim=0).reshape(self.num_groups, (2 * heads_per_group + 2) * d, -1)
+        q, gate, k, v = torch.split(full, [heads_per_group * d, heads_per_group * d, d, d], dim=1)
+        hidden = full.shape[-1]
+        q_gate = torch.stack([q.reshape(self.num_groups, heads_per_group, d, hidden),
+                              gate.reshape(self.num_groups, heads_per_group, d, hidden)], dim=2)
+        return {
+            self.q: q_gate.reshape(-1, hidden).clone(),
+            self.k: k.reshape(-1, hidden).clone(),
+            self.v: v.reshape(-1, hidden).clone(),
+        }
+
+
+ParamMapping = Replicated | Split | VocabSplit | PerRankConcat | GatedQKV
+
+
+def _even_chunks(t: torch.Tensor, tp: int, dim: int, what: str) -> tuple[torch.Tensor, ...]:
+    if t.shape[dim] % tp:
+        raise ValueError(f"{what}: size {t.shape[dim]} on dim {dim} is not divisible by TP={tp}")
+    return torch.chunk(t, tp, dim=dim)
+
+
+def qwen35_mapping(preset: Qwen35Preset, padded_vocab: int) -> list[ParamMapping]:
+    """The full table for one model: embeddings, every decoder layer, final norm, and the LM head if untied."""
+    p = preset
+    table: list[ParamMapping] = [
+        VocabSplit("embedding.word_embeddings.weight", "model.embed_tokens.weight", p.vocab_size, padded_vocab),
+        Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
+    ]
+    if not p.tie_word_embeddings:
+        table.append(VocabSplit("output_layer.weight", "lm_head.weight", p.vocab_size, padded_vocab))
+    key_dim = p.linear_num_key_heads * p.linear_key_head_dim
+    value_dim = p.linear_num_value_heads * p.linear_value_head_dim
+    nv = p.linear_num_value_heads
+    for i, kind in enumerate(p.layer_types()):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        table += [
+            Replicated(mc + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
+            PerRankConcat(mc + "mlp.linear_fc1.weight", (
+                (hf + "mlp.gate_proj.weight", 0, p.ffn_hidden_size),
+                (hf + "mlp.up_proj.weight", 0, p.ffn_hidden_size),
+            )),
+            Split(mc + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", dim=1),
+        ]
+        if kind == "full_attention":
+            a, m = hf + "self_attn.", mc + "self_attention."
+            table += [
+                Replicated(m + "linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
+                GatedQKV(m + "linear_qkv.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                         p.num_attention_heads, p.num_query_groups, p.head_dim),
+                Replicated(m + "q_layernorm.weight", a + "q_norm.weight"),
+                Replicated(m + "k_layernorm.weight", a + "k_norm.weight"),
+                Split(m + "linear_proj.weight", a + "o_proj.weight", dim=1),
+            ]
+        else:
+            a, m = hf + "linear_attn.", mc + "self_attention."
+            qkv = a + "in_proj_qkv.weight"
+            conv = a + "conv1d.weight"
+            table += [
+                Replicated(m + "in_proj.layer_norm_weight", hf + "input_layernorm.weight"),
+                PerRankConcat(m + "in_proj.weight", (
+                    (qkv, 0, key_dim), (qkv, key_dim, key_dim), (qkv, 2 * key_dim, value_dim),
+                    (a + "in_proj_z.weight", 0, value_dim),
+                    (a + "in_proj_b.weight", 0, nv),
+                    (a + "in_proj_a.weight", 0, nv),
+                )),
+                PerRankConcat(m + "conv1d.weight", ((conv, 0, key_dim), (conv, key_dim, key_dim),
+                                                    (conv, 2 * key_dim, value_dim))),
+                Split(m + "A_log", a + "A_log", dim=0),
+                Split(m + "dt_bias", a + "dt_bias", dim=0),
+                Replicated(m + "out_norm.weight", a + "norm.weight", offset=-1.0),
+                Split(m + "out_proj.weight", a + "out_proj.weight", dim=1),
+            ]
+    return table
+
+
+def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], table: Sequence[ParamMapping], tp: int
+                   ) -> list[dict[str, torch.Tensor]]:
+    """Full HF tensors -> one megatron state dict (global layer names) per TP rank."""
+    missing = [n for m in table for n in m.hf_names() if n not in hf_state]
+    if missing:
+        raise KeyError(f"HF state is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for m in table:
+        for rank, t in enumerate(m.to_megatron(hf_state, tp)):
+            shards[rank][m.megatron] = t
+    return shards
+
+
+def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], table: Sequence[ParamMapping]
+                   ) -> dict[str, torch.Tensor]:
+    """One megatron state dict per TP rank (global layer names) -> full HF tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for m in table:
+        out.update(m.to_hf([s[m.megatron] for s in shards]))
+    return out
+
+
+def localize_layer_names(names: Sequence[str], offset: int) -> dict[str, str]:
+    """Global megatron names -> this pipeline stage's names (``decoder.layers.{i - offset}``)."""
+    result = {}
+    for name in names:
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers."):].split(".", 1)
+            result[name] = f"decoder.layers.{int(index) - offset}.{rest}"
+        else:
+            result[name] = name
+    return result

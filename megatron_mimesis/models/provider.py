@@ -1,0 +1,53 @@
+"""The Qwen3.5 model provider: one megatron ``GPTModel`` chunk per pipeline (and virtual pipeline) stage.
+
+megatron-core's GPT model with a heterogeneous layer list is what megatron-core's own Qwen3-Next support
+uses; its HybridModel splits mixer and MLP into separate layers, which would break the one-to-one
+correspondence with HF's decoder layers that the parameter mapping relies on.
+"""
+
+from dataclasses import dataclass
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_mimesis.models.config import padded_vocab_size
+from megatron_mimesis.models.layer_specs import Backend, block_spec, select_backend
+from megatron_mimesis.models.presets import Qwen35Preset
+
+
+@dataclass
+class ModelProvider:
+    """Callable with megatron's provider signature ``(pre_process, post_process, vp_stage) -> GPTModel``."""
+
+    preset: Qwen35Preset
+    config: TransformerConfig
+    backend: Backend | None = None
+    make_vocab_size_divisible_by: int = 64
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(
+            self.preset.vocab_size, self.config.tensor_model_parallel_size, self.make_vocab_size_divisible_by
+        )
+
+    def __call__(self, pre_process: bool | None = None, post_process: bool | None = None,
+                 vp_stage: int | None = None) -> GPTModel:
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        backend = self.backend or select_backend()
+        return GPTModel(
+            config=self.config,
+            transformer_layer_spec=block_spec(self.config, backend, vp_stage=vp_stage),
+            vocab_size=self.padded_vocab_size,
+            max_sequence_length=self.preset.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=self.preset.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=self.preset.rotary_percent,
+            rotary_base=int(self.preset.rotary_base),
+            vp_stage=vp_stage,
+        )
