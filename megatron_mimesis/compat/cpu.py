@@ -7,7 +7,8 @@ compares ``Tensor.type()`` strings with ``'torch.cuda.FloatTensor'`` in the opti
 needed for correctness on CPU. Rather than forking megatron-core, this module:
 
 - routes every CUDA device argument to the CPU through a ``TorchFunctionMode`` (factory calls,
-  ``.to(...)``, ``.cuda()``);
+  ``.to(...)``, ``.cuda()``), and makes ``torch.cuda.current_device()`` return the CPU device, which also
+  covers autograd backward functions (function modes are not active inside the autograd engine);
 - maps the CUDA RNG API onto the CPU default generator, so that the model-parallel RNG tracker forks and
   restores a real generator state and per-rank seeds take effect (a CPU build silently queues
   ``torch.cuda.manual_seed`` otherwise);
@@ -35,7 +36,7 @@ _enabled = False
 
 def _is_cuda_device(device) -> bool:
     if isinstance(device, int) and not isinstance(device, bool):
-        return True  # torch.cuda.current_device() returns an int index
+        return True  # a bare index means a CUDA device
     if isinstance(device, str):
         return device.startswith("cuda")
     return isinstance(device, torch.device) and device.type == "cuda"
@@ -106,7 +107,9 @@ def _cpu_manual_seed(seed):
 
 def _patch_torch_cuda():
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    # A device object rather than an index: megatron passes it as ``device=`` inside autograd backward
+    # functions too, where the function mode below is not active.
+    cuda.current_device = lambda: _CPU
     cuda.set_device = lambda device: None
     cuda.device_count = lambda: 1
     cuda.synchronize = lambda device=None: None

@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_mimesis.models.mapping import hf_to_megatron, localize_layer_names, megatron_to_hf, qwen35_mapping
+from megatron_mimesis.models.mapping import (
+    for_gradients,
+    hf_to_megatron,
+    localize_layer_names,
+    megatron_to_hf,
+    qwen35_mapping,
+)
 from megatron_mimesis.models.presets import Qwen35Preset
 
 
@@ -51,12 +57,24 @@ def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Qwen35P
             param.copy_(tensor)
 
 
-def gather_hf_weights(model, preset: Qwen35Preset, padded_vocab: int) -> dict[str, torch.Tensor]:
-    """Full HF tensors of the layers this pipeline stage holds, gathered over the TP group (all TP ranks get them)."""
+def gather_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full HF tensors of the layers this pipeline stage holds, gathered over the TP group (every TP rank gets them).
+
+    With ``grads`` the parameters' gradients (megatron DDP's ``main_grad`` when present) instead of their values.
+    """
     table = qwen35_mapping(preset, padded_vocab)
+    if grads:
+        table = for_gradients(table)
     names = _stage_names(model, table)
     params = dict(model.named_parameters())
-    local = {g: params[n].detach() for g, n in names.items()}
+
+    def value(param):
+        if not grads:
+            return param.detach()
+        grad = getattr(param, "main_grad", None)
+        return (grad if grad is not None else param.grad).detach()
+
+    local = {g: value(params[n]) for g, n in names.items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     shards = [None] * dist.get_world_size(tp_group)
     dist.all_gather_object(shards, local, group=tp_group)

@@ -14,13 +14,16 @@ Layouts that peers have got wrong, spelled out:
   first and the rank's pieces concatenated (chunking the fused tensor would mix parts across ranks).
   ``conv1d`` likewise per rank ``[q_r; k_r; v_r]``; ``A_log`` / ``dt_bias`` are split on dim 0.
 - Norms: decoder norms are zero-centred on both sides (``y = norm(x) * (1 + w)``); the DeltaNet output
-  norm is plain in HF and zero-centred in megatron, so ``w_megatron = w_hf - 1``.
+  norm is plain in HF and zero-centred in megatron, so ``w_megatron = w_hf - 1``. That shift is exact, and
+  so the round trip bit-exact, for weights in [0.5, 2] (Sterbenz), which covers trained norm gains; outside
+  that range it is within one ulp. Every other entry only moves bits.
 - Vocabulary rows are padded with zeros to the padded vocab size and stripped on the way back.
 
 Names on the megatron side use *global* layer indices; :func:`localize_layer_names` renumbers them for a
 pipeline stage. HF names are those of ``Qwen3_5ForCausalLM`` (``model.layers.N...``).
 """
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -228,6 +231,11 @@ def qwen35_mapping(preset: Qwen35Preset, padded_vocab: int) -> list[ParamMapping
                 Split(m + "out_proj.weight", a + "out_proj.weight", dim=1),
             ]
     return table
+
+
+def for_gradients(table: Sequence[ParamMapping]) -> list[ParamMapping]:
+    """The same table for gradients: a constant offset between the two parameterisations has zero gradient."""
+    return [dataclasses.replace(m, offset=0.0) if isinstance(m, Replicated) else m for m in table]
 
 
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], table: Sequence[ParamMapping], tp: int
