@@ -1,0 +1,195 @@
+"""Distributed checkpoints (megatron-core ``dist_checkpointing``, torch_dist format) that resume exactly.
+
+Layout: ``SAVE/iter_0000100/`` (a dist checkpoint plus ``run_config.json``) and ``SAVE/latest`` holding the
+iteration. Each checkpoint is written to ``iter_0000100.tmp`` and renamed when every rank has finished, and
+``latest`` is replaced last (write + rename), so a run killed at any moment leaves ``latest`` pointing at a
+complete checkpoint. The distributed optimizer state is saved ``fully_reshardable``, so a checkpoint
+reloads at another TP/PP/DP layout.
+
+One repair lives here. megatron's distributed optimizer, when it falls back to ``torch.optim.Adam`` (no
+Transformer Engine / Apex: every CPU run, and GPU installs without them), cannot checkpoint correctly:
+``state_dict()`` asserts on a fresh optimizer (no Adam state yet); loading the parameter state raises
+``KeyError: 'step'`` (Adam keeps a per-parameter ``step`` tensor that the checkpoint's parameter state
+deliberately omits); and ``load_state_dict`` gives every parameter the *same* ``step`` tensor, which Adam
+then increments once per parameter per step, so the bias correction after a resume is silently wrong.
+:func:`_prepare_adam_for_load` and :func:`_unshare_adam_steps` fix all three around megatron's calls.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+LATEST = "latest"
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_latest(root: str | Path) -> int:
+    """The iteration ``latest`` points at; a clear error when it is missing, corrupt or dangling."""
+    latest = Path(root) / LATEST
+    if not latest.exists():
+        raise CheckpointError(f"{latest}: no checkpoint to resume from (missing 'latest')")
+    text = latest.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{latest}: corrupt, expected an iteration number, found {text[:40]!r}")
+    iteration = int(text)
+    path = checkpoint_dir(root, iteration)
+    if not (path / "metadata.json").exists():
+        raise CheckpointError(f"{path}: 'latest' points at an incomplete or missing checkpoint")
+    return iteration
+
+
+def _unwrap(chunk):
+    """The GPTModel inside megatron's DDP wrapper: checkpoint keys carry no wrapper prefix."""
+    return getattr(chunk, "module", chunk)
+
+
+def _inner_torch_optimizers(optimizer):
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [opt.optimizer for opt in chained if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer)]
+
+
+def _prepare_adam_for_load(optimizer) -> None:
+    """Give torch Adam an (empty) state to be loaded into, and let megatron skip the per-parameter ``step``."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is not None and not getattr(setter, "_skips_step", False):
+            def set_states(model_param, tensors, _set=setter):
+                _set(model_param, {"step": None, **tensors})  # non-tensor entries are skipped by megatron
+
+            set_states._skips_step = True
+            opt._set_main_param_and_optimizer_states = set_states
+    for inner in _inner_torch_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p not in inner.state or not inner.state[p]:
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    for inner in _inner_torch_optimizers(optimizer):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+
+
+def _rng_state() -> ShardedObject:
+    """This rank's generators, one object per (PP, TP, DP) rank: resume continues every random stream."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp, dp = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    shape = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+
+
+def _restore_rng(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, is_loading: bool, rng: bool) -> dict:
+    state = {}
+    model_sd = {}
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        state[key] = _unwrap(chunk).sharded_state_dict()
+        model_sd.update(state[key])
+    if is_loading:
+        _prepare_adam_for_load(optimizer)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    state["progress"] = progress
+    if rng:
+        state["rng_state"] = _rng_state()
+    return state
+
+
+def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler, progress: dict,
+                    run_config: dict) -> Path:
+    """Write ``root/iter_N`` atomically and point ``latest`` at it; collective over all ranks."""
+    root = Path(root)
+    final = checkpoint_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
+    dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / (LATEST + ".tmp")
+        latest_tmp.write_text(f"{iteration}\n")
+        os.replace(latest_tmp, root / LATEST)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, *, restore_rng: bool = True) -> dict:
+    """Restore model, optimizer, scheduler (and RNG, at the same layout) from ``root/latest``; returns ``progress``.
+
+    RNG streams are per rank, so they are restored only when the layout is the one that saved them.
+    """
+    iteration = read_latest(root)
+    path = checkpoint_dir(root, iteration)
+    saved_layout = json.loads((path / "run_config.json").read_text()).get("layout")
+    same_layout = saved_layout == current_layout()
+    state = _sharded_state_dict(model_chunks, optimizer, scheduler, {}, is_loading=True,
+                                rng=restore_rng and same_layout)
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(optimizer)
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if "rng_state" in loaded:
+        _restore_rng(loaded["rng_state"])
+    return loaded["progress"]
+
+
+def current_layout() -> dict:
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }

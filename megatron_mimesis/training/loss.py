@@ -1,0 +1,39 @@
+"""The language-model loss, taken from the last stage's hidden states so that full logits never exist.
+
+megatron's ``GPTModel`` hands its final hidden states to an ``output_processor`` hook; ours feeds them with
+the (vocab-sharded) output weight to ``fused_linear_cross_entropy``. The hook returns the *sum* of masked
+token losses: the schedule runs with ``calculate_per_token_loss`` so that megatron divides the gradients by
+the loss-token count of the whole global batch (all micro-batches, all data-parallel ranks), not by a
+per-micro-batch mean.
+"""
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+from megatron_mimesis.kernels import fused_linear_cross_entropy
+
+
+def lm_loss_output_processor(*, hidden_states, output_layer, output_weight, labels, loss_mask, config, **_):
+    """[s, b, h] hidden states (sequence-sharded under SP) -> summed masked cross entropy (a scalar)."""
+    if config.sequence_parallel:
+        # The fused loss all-reduces its hidden-state gradient over TP itself (every rank gets the full one),
+        # so the gather's backward must only keep this rank's slice, not reduce-scatter (which would sum again).
+        hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+    weight = output_weight if output_weight is not None else output_layer.weight
+    hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1])
+    loss_sum, _ = fused_linear_cross_entropy(
+        hidden, weight, labels.reshape(-1), loss_mask.reshape(-1).to(hidden.dtype),
+        tp_group=parallel_state.get_tensor_model_parallel_group(), normalizer=1.0,
+    )
+    return loss_sum
+
+
+def loss_func(loss_mask: torch.Tensor, loss_sum: torch.Tensor):
+    """megatron schedule contract with ``calculate_per_token_loss``: (loss, token count, logged values).
+
+    The logged pair is reduced over micro-batches (and data-parallel ranks by the trainer) before dividing.
+    """
+    num_tokens = loss_mask.sum().to(torch.int)
+    logged = torch.stack([loss_sum.detach().clone().float(), num_tokens.float()])
+    return loss_sum, num_tokens, {"lm loss": logged}

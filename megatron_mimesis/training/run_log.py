@@ -1,0 +1,61 @@
+"""Per-step records of a run: one JSON line each (``metrics.jsonl``), TensorBoard scalars, optional wandb,
+and a progress bar. Only the rank that calls it with ``enabled=True`` (rank 0) writes anything."""
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class RunLog:
+    def __init__(self, log_dir: str | Path, total_iters: int, start_iter: int, *, enabled: bool,
+                 progress: bool = True, wandb_project: str | None = None, run_config: dict | None = None):
+        self.enabled = enabled
+        self.dir = Path(log_dir)
+        self._jsonl = self._tb = self._wandb = self._bar = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (self.dir / "metrics.jsonl").open("a", buffering=1)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("wandb_project is set but wandb is not installed: pip install wandb") from None
+            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=str(self.dir))
+        if progress:
+            self._bar = tqdm(total=total_iters, initial=start_iter, desc="train", dynamic_ncols=True)
+
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._jsonl.write(json.dumps(clean) + "\n")
+        iteration = record["iteration"]
+        prefix = "valid/" if record.get("split") == "valid" else "train/"
+        for key, value in record.items():
+            if isinstance(value, int | float) and key not in ("iteration",):
+                self._tb.add_scalar(prefix + key, value, iteration)
+        if self._wandb is not None:
+            self._wandb.log({prefix + k: v for k, v in clean.items() if k != "split"}, step=iteration)
+        if self._bar is not None and record.get("split") != "valid":
+            self._bar.update(iteration - self._bar.n)
+            loss = record.get("loss")
+            self._bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "nan", lr=f"{record.get('lr', 0):.2e}")
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(text)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        for closer in (self._bar, self._tb, self._jsonl):
+            if closer is not None:
+                closer.close()
+        if self._wandb is not None:
+            self._wandb.finish()

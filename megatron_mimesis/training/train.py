@@ -1,0 +1,306 @@
+"""Mid-training / SFT of Qwen3.5 on megatron-core: the whole loop, top to bottom.
+
+Run under torchrun (``launch/midtrain.sh`` / ``launch/sft.sh`` do that, on SLURM or locally)::
+
+    python -m megatron_mimesis.training.train --config launch/configs/midtrain_9b.yaml [--flag value ...]
+
+Both stages are the same loop over packed rows with a loss mask (user turns for mid-training, thinking +
+utterance targets for SFT); they differ only in data and hyperparameters. Everything parallel is
+megatron-core's: model chunks per (virtual) pipeline stage, DDP with fp32 main grads, the distributed
+optimizer, the 1F1B / interleaved schedules, the param scheduler, dist checkpointing.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
+from megatron_mimesis.training.data import dataset_manifest
+
+
+def check_data(config: TrainConfig) -> dict:
+    """Refuse a dataset whose rows or tokenizer do not fit the model, before any process group starts."""
+    try:
+        manifest = dataset_manifest(config.data_path)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    if manifest.get("seq_length") != config.seq_length:
+        raise ConfigError(
+            f"{config.data_path}: rows are {manifest.get('seq_length')} tokens, seq_length is {config.seq_length}"
+        )
+    vocab = manifest.get("tokenizer", {}).get("vocab_size")
+    if vocab is None or vocab > config.preset.vocab_size:
+        raise ConfigError(
+            f"{config.data_path}: tokenizer vocab {vocab} does not fit the model vocab {config.preset.vocab_size}"
+        )
+    return manifest
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, manifest: dict):
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from megatron_mimesis.compat import compute_device, enable_cpu_compat
+
+        self.config = config
+        self.manifest = manifest
+        cpu = enable_cpu_compat()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo" if cpu else "nccl")
+        if not cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = compute_device()
+        self.world_size = dist.get_world_size()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+            context_parallel_size=config.context_parallel_size,
+        )
+        torch.manual_seed(config.seed)
+        model_parallel_cuda_manual_seed(config.seed)
+        self.is_logger = dist.get_rank() == 0
+        self._build_model_and_optimizer()
+
+    # ------------------------------------------------------------------ setup
+    def _build_model_and_optimizer(self):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_mimesis.models.config import transformer_config
+        from megatron_mimesis.models.provider import ModelProvider
+        from megatron_mimesis.training.grads import finalize_grads
+
+        c = self.config
+        dtype = torch.bfloat16 if c.bf16 else torch.float32
+        recompute = {}
+        if c.recompute_granularity:
+            recompute = dict(recompute_granularity=c.recompute_granularity, recompute_method=c.recompute_method,
+                             recompute_num_layers=c.recompute_num_layers)
+        self.tf_config = transformer_config(c.preset, c.parallel, params_dtype=dtype,
+                                            calculate_per_token_loss=True, **recompute)
+        self.provider = ModelProvider(c.preset, self.tf_config)
+        vpp = c.virtual_pipeline_model_parallel_size
+        chunks = [self.provider(vp_stage=i) for i in range(vpp)] if vpp else [self.provider()]
+        for chunk in chunks:
+            chunk.to(self.device)
+        if c.pretrained_hf:
+            self._load_hf(chunks)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=c.overlap_grad_reduce,
+            overlap_param_gather=c.overlap_param_gather, use_distributed_optimizer=c.use_distributed_optimizer,
+        )
+        self.model = [
+            DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=chunk,
+                                    disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)
+        ]
+        self.tf_config.finalize_model_grads_func = finalize_grads
+        if c.overlap_grad_reduce:
+            self.tf_config.no_sync_func = [m.no_sync for m in self.model]
+            if len(self.model) == 1:
+                self.tf_config.no_sync_func = self.tf_config.no_sync_func[0]
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
+            adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.clip_grad, bf16=c.bf16,
+            params_dtype=dtype, use_distributed_optimizer=c.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=c.lr, min_lr=c.min_lr, lr_warmup_steps=c.lr_warmup_iters,
+            lr_decay_steps=c.lr_decay_iters or c.train_iters, lr_decay_style=c.lr_decay_style,
+            start_wd=c.weight_decay, end_wd=c.weight_decay, wd_incr_steps=c.train_iters, wd_incr_style="constant",
+        )
+
+    def _load_hf(self, chunks):
+        from megatron_mimesis.models.hf_io import read_hf_state
+        from megatron_mimesis.models.hf_weights import load_hf_weights
+
+        state = read_hf_state(self.config.pretrained_hf)
+        for chunk in chunks:
+            load_hf_weights(chunk, state, self.config.preset, self.provider.padded_vocab_size)
+
+    def _data(self, consumed_samples: int):
+        from megatron_mimesis.training.data import build_datasets, make_loader
+
+        c = self.config
+        train_samples = c.train_iters * c.global_batch_size
+        evals = (c.train_iters // c.eval_interval + 1) if c.eval_interval else 0
+        valid_samples = max(evals * c.eval_iters * c.global_batch_size, 1)
+        train, valid = build_datasets(c.data_path, c.seq_length, train_samples, valid_samples, c.seed)
+        self.train_loader = make_loader(train, train_samples, consumed_samples, c.micro_batch_size, c.num_workers)
+        self.valid = valid
+
+    # ------------------------------------------------------------------ one step
+    def _forward_step(self, data_iterator, model):
+        from megatron_mimesis.training.data import model_inputs
+        from megatron_mimesis.training.loss import lm_loss_output_processor, loss_func
+
+        inputs = model_inputs(next(data_iterator), self.device)
+        output = model(
+            inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"], loss_mask=inputs["loss_mask"],
+            packed_seq_params=inputs["packed_seq_params"], output_processor=lm_loss_output_processor,
+        )
+        return output, partial(loss_func, inputs["loss_mask"])
+
+    def _run_schedule(self, data_iterator, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        c = self.config
+        num_micro = c.num_microbatches(self.world_size)
+        iterators = [data_iterator] * len(self.model) if len(self.model) > 1 else data_iterator
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iterators, model=self.model,
+            num_microbatches=num_micro, seq_length=c.seq_length * c.micro_batch_size, micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _reduce_loss(self, losses) -> tuple[float, int]:
+        """(mean loss over the global batch, loss tokens), identical on every rank."""
+        from megatron.core import parallel_state
+
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for item in losses:
+            total += item["lm loss"].to(total)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            # only the last stage has losses; share them with the first stage (rank 0 logs)
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+
+    def train_step(self, data_iterator) -> dict:
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(data_iterator, forward_only=False)
+        loss, tokens = self._reduce_loss(losses)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not math.isfinite(loss):
+            return {"loss": loss, "tokens": tokens, "skipped": True, "grad_norm": None, "lr": lr}
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return {"loss": loss, "tokens": tokens, "skipped": not ok, "grad_norm": grad_norm, "lr": lr}
+
+    def evaluate(self) -> float:
+        from megatron_mimesis.training.data import make_loader
+
+        c = self.config
+        for m in self.model:
+            m.eval()
+        total = c.eval_iters * c.global_batch_size
+        loader = iter(make_loader(self.valid, total, 0, c.micro_batch_size, 0))
+        sums = []
+        with torch.no_grad():
+            for _ in range(c.eval_iters):
+                sums.append(self._reduce_loss(self._run_schedule(loader, forward_only=True)))
+        for m in self.model:
+            m.train()
+        tokens = sum(t for _, t in sums)
+        return sum(loss * t for loss, t in sums) / max(tokens, 1)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        from megatron_mimesis.training.checkpointing import current_layout, load_checkpoint, save_checkpoint
+        from megatron_mimesis.training.flops import train_flops_per_token
+        from megatron_mimesis.training.run_log import RunLog
+        from megatron_mimesis.training.signals import ExitSignal
+
+        c = self.config
+        progress = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0}
+        if c.load:
+            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler)
+        self._data(progress["consumed_samples"])
+        run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
+                      "padded_vocab_size": self.provider.padded_vocab_size}
+        log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.is_logger, progress=c.progress,
+                     wandb_project=c.wandb_project, run_config=run_config)
+        exit_signal = ExitSignal() if c.exit_signal_handler else None
+        flops_per_token = train_flops_per_token(c.preset, c.seq_length)
+        data_iterator = iter(self.train_loader)
+        save = partial(self._save, save_checkpoint, run_config)
+        status = 0
+        while progress["iteration"] < c.train_iters:
+            start = time.perf_counter()
+            result = self.train_step(data_iterator)
+            elapsed = time.perf_counter() - start
+            progress["iteration"] += 1
+            progress["consumed_samples"] += c.global_batch_size
+            it = progress["iteration"]
+            if result["skipped"]:
+                progress["skipped_iters"] += 1
+                log.message(f"iteration {it}: non-finite loss or grad, step skipped "
+                            f"({progress['skipped_iters']}/{c.max_skipped_iters})")
+                if progress["skipped_iters"] > c.max_skipped_iters:
+                    log.message("too many skipped iterations; stopping")
+                    status = 1
+                    break
+            if it % c.log_interval == 0:
+                tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
+                log.step({
+                    "iteration": it, "loss": result["loss"], "lr": result["lr"],
+                    "grad_norm": result["grad_norm"], "loss_tokens": result["tokens"],
+                    "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_gpu": tokens_per_sec / self.world_size,
+                    "tflops_per_gpu": tokens_per_sec * flops_per_token / self.world_size / 1e12,
+                    "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
+                    "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
+                })
+            if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
+                log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
+            if c.save and c.save_interval and it % c.save_interval == 0:
+                save(progress)
+            if exit_signal is not None and exit_signal.any_rank_received():
+                log.message(f"exit signal received at iteration {it}: saving and exiting for requeue")
+                if c.save:
+                    save(progress)
+                break
+        else:
+            if c.save and (not c.save_interval or progress["iteration"] % c.save_interval):
+                save(progress)
+        log.close()
+        return status
+
+    def _save(self, save_checkpoint, run_config, progress):
+        save_checkpoint(self.config.save, progress["iteration"], self.model, self.optimizer, self.scheduler,
+                        dict(progress), run_config)
+
+
+def _max_memory_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_config(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config.validate(world_size)
+        manifest = check_data(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        resolved = {"config": config.to_dict(), "world_size": world_size,
+                    "data_parallel_size": config.data_parallel_size(world_size),
+                    "num_microbatches": config.num_microbatches(world_size),
+                    "tokens_per_step": config.global_batch_size * config.seq_length}
+        print(json.dumps(resolved, indent=2))
+        return 0
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config, manifest)
+    status = trainer.run()
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
