@@ -77,6 +77,7 @@ class TrainConfig:
     max_skipped_iters: int = 10  # non-finite loss: skip the step, stop after this many
     seed: int = 1234
     exit_signal_handler: bool = True  # SIGTERM / SIGUSR1: save a checkpoint, then exit for requeue
+    exit_interval: int | None = None  # save and exit after an iteration divisible by this (scheduled stops)
     # size overrides of the preset (the demo sets vocab_size from its tokenizer)
     model_overrides: dict = field(default_factory=dict)
 

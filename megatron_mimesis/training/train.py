@@ -258,9 +258,14 @@ class Trainer:
                 log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
             if c.save and c.save_interval and it % c.save_interval == 0:
                 save(progress)
+            stop = None
             if exit_signal is not None and exit_signal.any_rank_received():
-                log.message(f"exit signal received at iteration {it}: saving and exiting for requeue")
-                if c.save:
+                stop = f"exit signal received at iteration {it}: saving and exiting for requeue"
+            elif c.exit_interval and it % c.exit_interval == 0 and it < c.train_iters:
+                stop = f"exit_interval reached at iteration {it}: saving and exiting"
+            if stop:
+                log.message(stop)
+                if c.save and not (c.save_interval and it % c.save_interval == 0):
                     save(progress)
                 break
         else:

@@ -1,0 +1,91 @@
+"""The trainer end to end under torchrun: layouts agree, resume is exact, preemption saves."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.training.conftest import REPO, common_args, read_metrics, run_trainer, train_losses
+
+pytestmark = pytest.mark.slow
+
+LAYOUT_TOL = 5e-5  # fp32; measured differences between layouts are ~1e-6
+
+
+def _final_tensors(ckpt_root, tmp_path) -> dict[str, torch.Tensor]:
+    """Every tensor of the latest checkpoint, gathered: parameters and the optimizer's fp32 params and moments."""
+    iteration = int((Path(ckpt_root) / "latest").read_text())
+    out = tmp_path / f"flat-{Path(ckpt_root).parent.name}-{iteration}.pt"
+    dcp_to_torch_save(str(Path(ckpt_root) / f"iter_{iteration:07d}"), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_tp2_and_pp2_train_like_one_process(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    init = ["--pretrained-hf", str(tiny_hf_checkpoint), "--train-iters", "3"]
+    run_trainer(1, *common_args(tiny_dataset, tmp_path / "single", *init))
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "tp2", *init, "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"))
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "pp2", *init, "--pipeline-model-parallel-size", "2"))
+    single = train_losses(tmp_path / "single")
+    assert len(single) == 3 and single[2] < single[0]  # it learns
+    for layout in ("tp2", "pp2"):
+        other = train_losses(tmp_path / layout)
+        assert max(abs(a - b) for a, b in zip(single, other, strict=True)) <= LAYOUT_TOL, (layout, single, other)
+
+
+def test_resume_continues_the_same_curve_and_reshards(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    init = ["--pretrained-hf", str(tiny_hf_checkpoint)]
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    # 4 steps straight, checkpoints at 2 and 4
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "full", *init, *tp2, "--train-iters", "4",
+                                "--save", str(tmp_path / "full" / "ckpt"), "--save-interval", "2"))
+    # the same run killed after 2 steps (same schedule: train_iters stays 4), then resumed
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "part", *init, *tp2, "--train-iters", "4",
+                                "--save", str(tmp_path / "part" / "ckpt"), "--save-interval", "2",
+                                "--exit-interval", "2"))
+    assert (tmp_path / "part" / "ckpt" / "latest").read_text().strip() == "2"
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "part", *tp2, "--train-iters", "4",
+                                "--load", str(tmp_path / "part" / "ckpt"), "--save", str(tmp_path / "part" / "ckpt")))
+    full, part = train_losses(tmp_path / "full"), train_losses(tmp_path / "part")
+    assert part == full, (full, part)  # bit-identical loss curve
+    a, b = _final_tensors(tmp_path / "full" / "ckpt", tmp_path), _final_tensors(tmp_path / "part" / "ckpt", tmp_path)
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg_sq.") for k in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # Adam state (incl. its step count) restored exactly
+    # the TP=2 checkpoint at step 2 resumed at TP=1 continues the same curve
+    (tmp_path / "resharded").mkdir()
+    latest = tmp_path / "full" / "ckpt" / "latest"
+    latest.write_text("2\n")
+    run_trainer(1, *common_args(tiny_dataset, tmp_path / "resharded", "--train-iters", "4",
+                                "--load", str(tmp_path / "full" / "ckpt")))
+    resharded = train_losses(tmp_path / "resharded")
+    assert max(abs(x - y) for x, y in zip(resharded, full[2:], strict=True)) <= LAYOUT_TOL, (resharded, full)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dataset, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29533", "OMP_NUM_THREADS": "1"}
+    args = common_args(tiny_dataset, tmp_path, "--train-iters", "100000", "--save", str(ckpt), "--no-progress")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_mimesis.training.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    iteration = int((ckpt / "latest").read_text())
+    assert iteration == read_metrics(tmp_path)[-1]["iteration"] >= 1
+    assert (ckpt / f"iter_{iteration:07d}" / "metadata.json").exists()
+    assert not list(ckpt.glob("*.tmp"))
+    assert json.loads((ckpt / f"iter_{iteration:07d}" / "run_config.json").read_text())["preset"]["name"] == "tiny"
