@@ -123,13 +123,14 @@ def _restore_rng(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _model_state(model_chunks) -> dict:
+    return {("model" if len(model_chunks) == 1 else f"model{i}"): _unwrap(chunk).sharded_state_dict()
+            for i, chunk in enumerate(model_chunks)}
+
+
 def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, is_loading: bool, rng: bool) -> dict:
-    state = {}
-    model_sd = {}
-    for i, chunk in enumerate(model_chunks):
-        key = "model" if len(model_chunks) == 1 else f"model{i}"
-        state[key] = _unwrap(chunk).sharded_state_dict()
-        model_sd.update(state[key])
+    state = _model_state(model_chunks)
+    model_sd = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
     if is_loading:
         _prepare_adam_for_load(optimizer)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
@@ -177,14 +178,27 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, *, res
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, {}, is_loading=True,
                                 rng=restore_rng and same_layout)
     loaded = dist_checkpointing.load(state, str(path))
-    for i, chunk in enumerate(model_chunks):
-        _unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
+    _load_model(model_chunks, loaded)
     optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if "rng_state" in loaded:
         _restore_rng(loaded["rng_state"])
     return loaded["progress"]
+
+
+def load_model_weights(root: str | Path, model_chunks) -> int:
+    """Only the weights of ``root/latest`` (Megatron's --finetune: a new stage starts at iteration 0 with a fresh
+    optimizer, e.g. SFT from the mid-training checkpoint, at any layout); returns the source iteration."""
+    iteration = read_latest(root)
+    loaded = dist_checkpointing.load(_model_state(model_chunks), str(checkpoint_dir(root, iteration)))
+    _load_model(model_chunks, loaded)
+    return iteration
+
+
+def _load_model(model_chunks, loaded) -> None:
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
 
 
 def current_layout() -> dict:

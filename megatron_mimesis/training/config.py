@@ -65,6 +65,7 @@ class TrainConfig:
     # initialisation and checkpoints
     pretrained_hf: str | None = None  # HF Qwen3.5 checkpoint directory to start from
     load: str | None = None  # megatron checkpoint directory to resume from (its `latest`)
+    finetune: bool = False  # with load: take only the weights, start at iteration 0 with a fresh optimizer
     save: str | None = None
     save_interval: int | None = None
     ckpt_format: str = "torch_dist"
@@ -147,6 +148,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"{name}: {value} does not exist")
+        if self.finetune and not self.load:
+            raise ConfigError("finetune needs load (the checkpoint whose weights to start from)")
         if self.pretrained_hf and self.load:
             raise ConfigError("give either pretrained_hf (start from HF weights) or load (resume), not both")
 

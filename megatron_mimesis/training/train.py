@@ -210,14 +210,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
-        from megatron_mimesis.training.checkpointing import current_layout, load_checkpoint, save_checkpoint
-        from megatron_mimesis.training.flops import train_flops_per_token
+        from megatron_mimesis.training.checkpointing import (
+            current_layout,
+            load_checkpoint,
+            load_model_weights,
+            save_checkpoint,
+        )
+        from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
 
         c = self.config
         progress = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0}
-        if c.load:
+        if c.load and c.finetune:
+            load_model_weights(c.load, self.model)
+            self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
+        elif c.load:
             progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler)
         self._data(progress["consumed_samples"])
         run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
@@ -226,6 +234,8 @@ class Trainer:
                      wandb_project=c.wandb_project, run_config=run_config)
         exit_signal = ExitSignal() if c.exit_signal_handler else None
         flops_per_token = train_flops_per_token(c.preset, c.seq_length)
+        # MFU only where a peak is known: on CPU it would be a made-up number
+        peak = device_peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         data_iterator = iter(self.train_loader)
         save = partial(self._save, save_checkpoint, run_config)
         status = 0
@@ -246,11 +256,12 @@ class Trainer:
                     break
             if it % c.log_interval == 0:
                 tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
+                achieved = tokens_per_sec * flops_per_token / self.world_size
                 log.step({
                     "iteration": it, "loss": result["loss"], "lr": result["lr"],
                     "grad_norm": result["grad_norm"], "loss_tokens": result["tokens"],
                     "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_gpu": tokens_per_sec / self.world_size,
-                    "tflops_per_gpu": tokens_per_sec * flops_per_token / self.world_size / 1e12,
+                    "tflops_per_gpu": achieved / 1e12, "mfu": achieved / peak if peak else None,
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })

@@ -89,3 +89,21 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dataset, tmp_path):
     assert (ckpt / f"iter_{iteration:07d}" / "metadata.json").exists()
     assert not list(ckpt.glob("*.tmp"))
     assert json.loads((ckpt / f"iter_{iteration:07d}" / "run_config.json").read_text())["preset"]["name"] == "tiny"
+
+
+def test_finetune_starts_from_the_weights_at_another_layout(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """--finetune takes the weights only (iteration 0, fresh optimizer), here from PP=2 into TP=2 and into bf16
+    (whose fp32 main params are separate copies that must start from the loaded weights)."""
+    source = tmp_path / "source" / "ckpt"
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "source", "--pretrained-hf", str(tiny_hf_checkpoint),
+                                "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--save", str(source)))
+    # one step at a negligible learning rate: the saved weights must still be the loaded ones
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "ft", "--tensor-model-parallel-size", "2",
+                                "--train-iters", "1", "--lr", "1e-12", "--min-lr", "0", "--lr-warmup-iters", "0",
+                                "--load", str(source), "--finetune", "--bf16", "--save", str(tmp_path / "ft" / "ckpt")))
+    assert [r["iteration"] for r in read_metrics(tmp_path / "ft")] == [1]
+    before, after = _final_tensors(source, tmp_path), _final_tensors(tmp_path / "ft" / "ckpt", tmp_path)
+    weights = [k for k in before if not k.startswith("optimizer.")]
+    assert len(weights) > 20
+    for name in weights:
+        assert torch.allclose(before[name], after[name].float(), rtol=1e-2, atol=1e-2), name

@@ -1,0 +1,231 @@
+# shellcheck shell=bash
+# Shared body of launch/midtrain.sh and launch/sft.sh; they set the stage-specific variables and call
+# `launch "$@"`. One script covers three places so the command that runs on the cluster is the one tested:
+#   SLURM (SLURM_JOB_ID set)  one torchrun per node via srun, rendezvous at the first host of the job;
+#   local, GPUs or CPU        one torchrun --standalone (CPU: 2 gloo processes);
+#   embedded demo             local + no GPU + no CONFIG: build the demo data, train, plot the loss.
+# Arguments are trainer flags (passed through); `--dry-run` anywhere prints the launch command, the
+# environment and the trainer's resolved config, and starts nothing.
+#
+# Caller sets: STAGE, PAPER_CONFIG, DEMO_CONFIG, DEMO_RUN_DIR, DEMO_PREP_ARGS (array), DEMO_NEEDS (array of
+# paths the demo needs, with DEMO_NEEDS_HINT saying how to make them).
+# Environment overrides: CONFIG, PYTHON, NPROC, NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT,
+# DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TRAIN_MODULE=megatron_mimesis.training.train
+
+die() {
+  echo "error: $*" >&2
+  exit 1
+}
+
+# Count of visible GPUs; 0 where there is no nvidia-smi or it finds none.
+gpu_count() {
+  local listing
+  listing="$(nvidia-smi -L 2>/dev/null || true)"
+  grep -c '^GPU' <<<"$listing" || true
+}
+
+# The value of `key:` in the YAML config, via the same yaml loader the trainer uses ('' when absent/null).
+config_value() {
+  "$PYTHON" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get(sys.argv[2]) or "")' \
+    "$CONFIG" "$1"
+}
+
+# The value of `--flag VALUE` / `--flag=VALUE` among the trainer arguments, if given.
+flag_value() {
+  local flag="$1" i
+  for ((i = 0; i < ${#train_args[@]}; i++)); do
+    case "${train_args[i]}" in
+      "$flag") echo "${train_args[i + 1]:-}" ;;
+      "$flag="*) echo "${train_args[i]#*=}" ;;
+    esac
+  done
+}
+
+# Cluster defaults; each keeps a value the user already exported.
+set_gpu_env() {
+  # One CUDA connection keeps the sequence-parallel all-gather/reduce-scatter ordered ahead of the GEMMs
+  # they overlap with (Megatron-LM's requirement for TP comm overlap).
+  export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+  # Fail fast on a hung or failed collective instead of waiting forever.
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+  # Bootstrap traffic off loopback and docker bridges; set NCCL_IB_HCA (e.g. mlx5) for your fabric.
+  export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
+  export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
+  export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+  local cores
+  cores="$(nproc)"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cores / gpus_per_node > 0 ? cores / gpus_per_node : 1))}"
+  env_names=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_SOCKET_IFNAME NCCL_IB_TIMEOUT
+    NCCL_DEBUG OMP_NUM_THREADS)
+}
+
+set_cpu_env() {
+  # Each gloo rank is one process; more threads per rank only oversubscribe the cores.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  env_names=(OMP_NUM_THREADS)
+}
+
+# Trainer flags from the environment, and where to start from: a run that already has a checkpoint in its
+# `save` directory resumes from it (a requeued job: a full resume, even for a stage configured to --finetune
+# from another checkpoint), otherwise PRETRAINED_HF (if given) initialises it.
+add_env_flags() {
+  if [[ -n "${DATA_PATH:-}" ]]; then train_args+=(--data-path "$DATA_PATH"); fi
+  if [[ -n "${SAVE:-}" ]]; then train_args+=(--save "$SAVE"); fi
+  local save
+  save="$(flag_value --save)"
+  save="${save:-$(config_value save)}"
+  if [[ -n "$save" && -e "$save/latest" ]]; then
+    echo "resuming from $save (iteration $(<"$save/latest")); remove it to start over" >&2
+    train_args+=(--load "$save" --no-finetune)
+  elif [[ -n "${PRETRAINED_HF:-}" ]]; then
+    train_args+=(--pretrained-hf "$PRETRAINED_HF")
+  fi
+}
+
+# A command line to read and to paste: words are quoted only where the shell needs it.
+quote_cmd() {
+  local word out=()
+  for word in "$@"; do
+    if [[ "$word" =~ ^[][A-Za-z0-9_./:=,@+%^-]+$ ]]; then out+=("$word"); else out+=("$(printf '%q' "$word")"); fi
+  done
+  echo "${out[*]}"
+}
+
+print_dry_run() {
+  local name
+  echo "== launch command"
+  if ((in_slurm)); then
+    echo "${srun_cmd[*]:0:${#srun_cmd[@]}-1} \"\$PER_NODE\""
+    echo "PER_NODE=${node_cmd}"
+    echo "on SIGUSR1 (sbatch --signal=B:USR1@...): forwarded to the trainer, which saves; then scontrol requeue"
+  else
+    quote_cmd "${torchrun_cmd[@]}"
+  fi
+  echo "== environment"
+  for name in "${env_names[@]}" MASTER_ADDR MASTER_PORT NNODES GPUS_PER_NODE; do
+    if [[ -n "${!name:-}" ]]; then echo "$name=${!name}"; fi
+  done
+  echo "== trainer config ($CONFIG, world size $world_size)"
+  WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
+    "${train_args[@]}" --dry-run
+}
+
+# srun in the background so that the batch shell can take SIGUSR1 from `sbatch --signal=B:USR1@T`,
+# forward it (srun relays it to every task: the torchrun agents, which pass it on to the trainer ranks),
+# wait for the save, and requeue the job.
+run_srun() {
+  local srun_pid status=0 requeue=0
+  "${srun_cmd[@]}" &
+  srun_pid=$!
+  trap 'requeue=1; echo "SIGUSR1: asking the trainer to checkpoint and stop" >&2; kill -USR1 "$srun_pid"' USR1
+  while true; do
+    wait "$srun_pid" && status=0 || status=$?
+    kill -0 "$srun_pid" 2>/dev/null || break
+  done
+  trap - USR1
+  if ((requeue)); then
+    echo "requeueing job $SLURM_JOB_ID" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$status"
+}
+
+run_demo_data() {
+  local needed
+  for needed in "${DEMO_NEEDS[@]}"; do
+    [[ -e "$needed" ]] || die "$needed is missing; $DEMO_NEEDS_HINT"
+  done
+  local output=()
+  if [[ -n "${DATA_PATH:-}" ]]; then output=(--output "$DATA_PATH"); fi
+  echo "== building the embedded $STAGE dataset (reused when unchanged)"
+  "$PYTHON" -m "data_prep.$STAGE" "${DEMO_PREP_ARGS[@]}" "${output[@]}"
+}
+
+report_demo() {
+  local metrics="$DEMO_RUN_DIR/metrics.jsonl" plot="$DEMO_RUN_DIR/loss.png"
+  "$PYTHON" tools/plot_run.py "$metrics" -o "$plot" >/dev/null
+  echo "== demo $STAGE finished"
+  echo "logs:        $metrics (TensorBoard: $DEMO_RUN_DIR)"
+  if [[ -e "$DEMO_RUN_DIR/checkpoints/latest" ]]; then echo "checkpoint:  $DEMO_RUN_DIR/checkpoints"; fi
+  echo "loss plot:   $plot"
+}
+
+launch() {
+  cd "$REPO_ROOT" || die "cannot enter $REPO_ROOT"
+  if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+  fi
+
+  local arg dry_run=0 demo=0 gpus
+  train_args=()
+  for arg in "$@"; do
+    if [[ "$arg" == --dry-run ]]; then dry_run=1; else train_args+=("$arg"); fi
+  done
+  in_slurm=0
+  if [[ -n "${SLURM_JOB_ID:-}" ]]; then in_slurm=1; fi
+  gpus="$(gpu_count)"
+  if [[ -z "${CONFIG:-}" ]]; then
+    if ((!in_slurm && gpus == 0)); then CONFIG="$DEMO_CONFIG"; else CONFIG="$PAPER_CONFIG"; fi
+  fi
+  [[ -f "$CONFIG" ]] || die "CONFIG=$CONFIG: no such file"
+  if [[ "$CONFIG" == "$DEMO_CONFIG" && $in_slurm == 0 ]]; then demo=1; fi
+  add_env_flags
+
+  local trainer=(-m "$TRAIN_MODULE" --config "$CONFIG" "${train_args[@]}")
+  # torchrun forwards these to the ranks (SIGUSR1: SLURM's pre-timeout warning) and gives them
+  # SHUTDOWN_TIMEOUT seconds to finish the step and save before it kills them.
+  local signals=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-300}")
+  if ((in_slurm)); then
+    local hosts
+    mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}")
+    ((${#hosts[@]} > 0)) || die "scontrol show hostnames $SLURM_JOB_NODELIST gave no hosts"
+    export MASTER_ADDR="${MASTER_ADDR:-${hosts[0]}}"
+    export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 40000))}"
+    export NNODES="${NNODES:-${SLURM_NNODES:-${#hosts[@]}}}"
+    export GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$gpus}}"
+    ((GPUS_PER_NODE > 0)) || die "no GPUs found on $(hostname); set GPUS_PER_NODE"
+    gpus_per_node="$GPUS_PER_NODE"
+    set_gpu_env
+    world_size=$((NNODES * GPUS_PER_NODE))
+    # The node rank is each srun task's own SLURM_NODEID, so it is expanded on the node, not here.
+    node_cmd="$(quote_cmd "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" \
+      --nproc-per-node "$GPUS_PER_NODE") --node-rank \"\$SLURM_NODEID\" $(quote_cmd --master-addr \
+      "$MASTER_ADDR" --master-port "$MASTER_PORT" "${signals[@]}" "${trainer[@]}")"
+    # Job steps do not inherit the job's CPUs per task (Slurm >= 22.05): without this, each node's torchrun
+    # and its ranks could be bound to a single core.
+    local cpus=()
+    if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
+    srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=1
+      bash -c "$node_cmd")
+  else
+    local nproc="${NPROC:-$((gpus > 0 ? gpus : 2))}"
+    export NNODES="${NNODES:-1}"
+    gpus_per_node="$nproc"
+    if ((gpus > 0)); then set_gpu_env; else set_cpu_env; fi
+    world_size=$((NNODES * nproc))
+    local rendezvous=(--standalone --nnodes 1)
+    if ((NNODES > 1)); then
+      rendezvous=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK for a multi-node run without SLURM}"
+        --master-addr "${MASTER_ADDR:?set MASTER_ADDR for a multi-node run without SLURM}"
+        --master-port "${MASTER_PORT:-29500}")
+    fi
+    torchrun_cmd=("$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$nproc"
+      "${signals[@]}" "${trainer[@]}")
+  fi
+
+  if ((dry_run)); then
+    print_dry_run
+    return 0
+  fi
+  if ((in_slurm)); then
+    run_srun
+    return
+  fi
+  if ((demo)); then run_demo_data; fi
+  "${torchrun_cmd[@]}"
+  if ((demo)); then report_demo; fi
+}

@@ -1,0 +1,142 @@
+"""launch/*.sh against a fake SLURM (scontrol, srun on PATH) and a machine without GPUs; nothing is trained."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_ID = 4242
+MASTER_PORT = 20000 + JOB_ID % 40000
+
+FAKE_SCONTROL = """#!/bin/bash
+if [[ "$1 $2" == "show hostnames" ]]; then printf 'node001\\nnode002\\nnode003\\nnode004\\n'; exit 0; fi
+echo "$*" >> "$FAKE_LOG/scontrol"
+"""
+# Records its arguments, then runs the per-node command as node 3 would (SLURM_NODEID=3).
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/srun"
+SLURM_NODEID=3 bash -c "${@: -1}"
+"""
+# Waits for SIGUSR1 the way a running job step would, and records that it got it.
+FAKE_SRUN_WAITING = """#!/bin/bash
+trap 'echo USR1 >> "$FAKE_LOG/srun_signals"; exit 0' USR1
+touch "$FAKE_LOG/srun_started"
+while true; do sleep 0.05; done
+"""
+# Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
+FAKE_PYTHON = f"""#!/bin/bash
+if [[ "$1 $2" == "-m torch.distributed.run" ]]; then echo "TORCHRUN $*"; exit 0; fi
+exec {sys.executable} "$@"
+"""
+
+
+def write_exe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """PATH with fake scontrol/srun and an nvidia-smi that finds no GPU; datasets the trainer accepts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_exe(bin_dir / "scontrol", FAKE_SCONTROL)
+    write_exe(bin_dir / "srun", FAKE_SRUN)
+    write_exe(bin_dir / "nvidia-smi", "#!/bin/sh\nexit 9\n")
+    log = tmp_path / "log"
+    log.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG", "DATA_PATH", "NPROC"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), PYTHON=sys.executable)
+    for name, seq, vocab in (("data9b", 24576, 248320), ("demo", 256, 8192)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"seq_length": seq, "tokenizer": {"vocab_size": vocab}}))
+    return tmp_path, env
+
+
+def slurm_env(env, tmp_path):
+    return {
+        **env,
+        "SLURM_JOB_ID": str(JOB_ID),
+        "SLURM_JOB_NODELIST": "node[001-004]",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "0",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_CPUS_ON_NODE": "64",
+        "DATA_PATH": str(tmp_path / "data9b"),
+    }
+
+
+def run(script, args, env, **kwargs):
+    return subprocess.run(["bash", f"launch/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def trainer_json(stdout: str) -> dict:
+    return json.loads(stdout[stdout.index("{\n"):])
+
+
+def test_slurm_dry_run_has_paper_layout(fake):
+    tmp_path, env = fake
+    result = run("midtrain.sh", ["--dry-run"], slurm_env(env, tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=64" in out
+    assert (f'--nnodes 4 --nproc-per-node 8 --node-rank "$SLURM_NODEID" --master-addr node001 '
+            f"--master-port {MASTER_PORT}") in out
+    assert "--config launch/configs/midtrain_9b.yaml" in out
+    assert "MASTER_ADDR=node001" in out and "CUDA_DEVICE_MAX_CONNECTIONS=1" in out
+    resolved = trainer_json(out)
+    assert resolved["world_size"] == 32 and resolved["data_parallel_size"] == 8
+    assert resolved["num_microbatches"] == 10 and resolved["tokens_per_step"] == 80 * 24576
+    config = resolved["config"]
+    assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
+    assert not (tmp_path / "log" / "srun").exists()
+
+
+def test_local_dry_run_without_gpu_is_the_demo(fake):
+    tmp_path, env = fake
+    result = run("midtrain.sh", ["--dry-run", "--train-iters", "20"], {**env, "DATA_PATH": str(tmp_path / "demo")})
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.splitlines()[1]
+    assert command.startswith(f"{sys.executable} -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2")
+    assert "--config launch/configs/demo_midtrain.yaml --train-iters 20" in command
+    assert "OMP_NUM_THREADS=1" in result.stdout
+    resolved = trainer_json(result.stdout)
+    assert resolved["world_size"] == 2 and resolved["config"]["train_iters"] == 20
+
+
+def test_slurm_launch_runs_one_torchrun_per_node(fake):
+    tmp_path, env = fake
+    fake_python = write_exe(tmp_path / "bin" / "python-fake", FAKE_PYTHON)
+    result = run("sft.sh", ["--lr", "2e-7"], {**slurm_env(env, tmp_path), "SLURM_NNODES": "1", "PYTHON": str(fake_python)})
+    assert result.returncode == 0, result.stderr
+    srun_args = (tmp_path / "log" / "srun").read_text().splitlines()
+    assert srun_args[:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=64",
+                             "--kill-on-bad-exit=1"]
+    torchrun = result.stdout.strip()
+    assert torchrun.startswith("TORCHRUN -m torch.distributed.run --nnodes 1 --nproc-per-node 8 --node-rank 3 ")
+    assert torchrun.endswith(f"--config launch/configs/sft_9b.yaml --lr 2e-7 --data-path {tmp_path / 'data9b'}")
+
+
+def test_sigusr1_is_forwarded_and_the_job_requeued(fake):
+    tmp_path, env = fake
+    write_exe(tmp_path / "bin" / "srun", FAKE_SRUN_WAITING)
+    log = tmp_path / "log"
+    proc = subprocess.Popen(["bash", "launch/midtrain.sh"], cwd=REPO, env=slurm_env(env, tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (log / "srun_started").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert (log / "srun_signals").read_text().split() == ["USR1"]
+    assert (log / "scontrol").read_text().split() == ["requeue", str(JOB_ID)]

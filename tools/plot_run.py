@@ -1,0 +1,84 @@
+"""Plot a training run's loss and throughput from the trainer's ``<log_dir>/metrics.jsonl``.
+
+``python tools/plot_run.py runs/demo-midtrain/metrics.jsonl -o runs/demo-midtrain/loss.png``
+
+Train records carry ``iteration``, ``loss`` and ``tokens_per_sec`` (any may be null); eval records add
+``"split": "valid"``. A person checking a run wants the loss curve, not the JSON, so this draws train and
+valid loss on one axis and throughput on a second panel, and prints where the PNG went.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class PlotError(Exception):
+    """A metrics file that cannot be plotted; the message is the one line printed."""
+
+
+def read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise PlotError(f"{path}: no such file")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PlotError(f"{path}: malformed line {number}: {err.msg}") from None
+        if not isinstance(record, dict):
+            raise PlotError(f"{path}: malformed line {number}: expected a JSON object")
+        records.append(record)
+    if not records:
+        raise PlotError(f"{path}: no records")
+    return records
+
+
+def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [(r["iteration"], r[key]) for r in records if r.get("iteration") is not None and r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(records: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("split", "train") == "train"]
+    valid = [r for r in records if r.get("split") == "valid"]
+    fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    loss_ax.plot(*_series(train, "loss"), label="train")
+    if valid:
+        loss_ax.plot(*_series(valid, "loss"), "o-", label="valid")
+    loss_ax.set_ylabel("loss")
+    loss_ax.legend()
+    loss_ax.set_title(title)
+    speed_ax.plot(*_series(train, "tokens_per_sec"), color="tab:green")
+    speed_ax.set_ylabel("tokens / s")
+    speed_ax.set_xlabel("iteration")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Plot loss and throughput from a metrics.jsonl.")
+    parser.add_argument("metrics", type=Path, help="the trainer's <log_dir>/metrics.jsonl")
+    parser.add_argument("-o", "--output", type=Path, help="PNG to write (default: loss.png next to the metrics)")
+    args = parser.parse_args(argv)
+    out = args.output or args.metrics.with_name("loss.png")
+    try:
+        plot(read_records(args.metrics), out, title=str(args.metrics.parent))
+    except PlotError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
