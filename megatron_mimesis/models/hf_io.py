@@ -1,16 +1,20 @@
-"""Reading Hugging Face Qwen3.5 checkpoint directories (safetensors, sharded or not).
+"""Reading and writing Hugging Face Qwen3.5 checkpoint directories (safetensors, sharded or not).
 
 The released checkpoints are ``Qwen3_5ForConditionalGeneration``: text weights under
 ``model.language_model.*`` beside a vision tower (``model.visual.*``) and MTP weights (``mtp.*``). Training
-is text-only, so this returns the text model under ``Qwen3_5ForCausalLM`` names (``model.*``, ``lm_head``),
-the names the parameter mapping uses.
+is text-only, so reading yields the text model under ``Qwen3_5ForCausalLM`` names (``model.*``,
+``lm_head``), the names the parameter mapping uses. Both directions stream: a tensor is read when asked
+for, and written shards are flushed at a size bound, so a 9B model is never held twice.
 """
 
 import json
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 CONDITIONAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
@@ -41,13 +45,80 @@ def text_model_name(name: str) -> str | None:
     return None
 
 
-def read_hf_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All text-model tensors of an HF checkpoint directory, under Qwen3_5ForCausalLM names."""
-    state = {}
-    for path in safetensors_files(directory):
+class LazyHFState(Mapping):
+    """The text-model tensors of an HF checkpoint directory under Qwen3_5ForCausalLM names, read on access."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self._where: dict[str, tuple[Path, str]] = {}
+        self.other: dict[str, tuple[Path, str]] = {}  # vision tower, MTP: everything the text model is not
+        for path in safetensors_files(directory):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    text_name = text_model_name(name)
+                    if text_name is None:
+                        self.other[name] = (path, name)
+                    else:
+                        self._where[text_name] = (path, name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, stored = self._where[name]
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                text_name = text_model_name(name)
-                if text_name is not None:
-                    state[text_name] = f.get_tensor(name)
-    return state
+            return f.get_tensor(stored)
+
+    def read_other(self, name: str) -> torch.Tensor:
+        path, stored = self.other[name]
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(stored)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_hf_state(directory: str | Path) -> LazyHFState:
+    return LazyHFState(directory)
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors as they come into ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_bytes``
+    (a tensor larger than that gets a shard of its own) plus ``model.safetensors.index.json``."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int = 2 * 2**30):
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffered_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffered_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = tensor.contiguous()
+        self._buffered_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        index = len(self._shards) + 1
+        save_file(self._buffer, str(self.directory / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._buffer))
+        self._buffer, self._buffered_bytes = {}, 0
+
+    def close(self) -> None:
+        if self._buffer or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        if count == 1:
+            os.replace(self.directory / "shard-00001.tmp", self.directory / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self._shards, start=1):
+            final = f"model-{i:05d}-of-{count:05d}.safetensors"
+            os.replace(self.directory / f"shard-{i:05d}.tmp", self.directory / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

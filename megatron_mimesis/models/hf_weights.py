@@ -12,7 +12,6 @@ from megatron.core import parallel_state
 
 from megatron_mimesis.models.mapping import (
     for_gradients,
-    hf_to_megatron,
     localize_layer_names,
     megatron_to_hf,
     qwen35_mapping,
@@ -34,27 +33,29 @@ def _stage_names(model, table) -> dict[str, str]:
 
 
 def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Qwen35Preset, padded_vocab: int) -> None:
-    """Copy full HF tensors into this rank's parameters of one model chunk; every parameter must be covered."""
+    """Copy HF tensors into this rank's parameters of one model chunk, one entry at a time (``hf_state`` may read
+    lazily, so a large model is never held twice); every parameter must be covered."""
     table = qwen35_mapping(preset, padded_vocab)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     names = _stage_names(model, table)
-    wanted = [m for m in table if m.megatron in names]
-    shard = hf_to_megatron(hf_state, wanted, tp)[rank]
-    if preset.tie_word_embeddings and model.post_process and not model.pre_process:
-        # the last stage keeps its own copy of the tied embedding as output_layer.weight
-        shard["output_layer.weight"] = hf_to_megatron(hf_state, table[:1], tp)[rank]["embedding.word_embeddings.weight"]
-        names["output_layer.weight"] = "output_layer.weight"
     params = dict(model.named_parameters())
-    uncovered = sorted(set(params) - set(names.values()))
+    sources = {names[m.megatron]: m for m in table if m.megatron in names}
+    if preset.tie_word_embeddings and model.post_process and not model.pre_process:
+        sources["output_layer.weight"] = table[0]  # the last stage's own copy of the tied embedding
+    uncovered = sorted(set(params) - set(sources))
     if uncovered:
         raise KeyError(f"parameters with no HF source: {uncovered}")
+    missing = sorted({n for m in sources.values() for n in m.hf_names()} - set(hf_state))
+    if missing:
+        raise KeyError(f"HF checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
     with torch.no_grad():
-        for global_name, tensor in shard.items():
-            param = params[names[global_name]]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{names[global_name]}: model shape {tuple(param.shape)} != mapped {tuple(tensor.shape)}")
-            param.copy_(tensor)
+        for name, mapping in sources.items():
+            shard = mapping.to_megatron(hf_state, tp)[rank]
+            param = params[name]
+            if param.shape != shard.shape:
+                raise ValueError(f"{name}: model shape {tuple(param.shape)} != mapped {tuple(shard.shape)}")
+            param.copy_(shard)
 
 
 def gather_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -69,7 +69,7 @@ class Split:
         return [c.clone() for c in _even_chunks(hf[self.hf], tp, self.dim, self.hf)]
 
     def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.hf: torch.cat(list(shards), dim=self.dim)}
+        return {self.hf: shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=self.dim)}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ class VocabSplit:
         return [c.clone() for c in _even_chunks(padded, tp, 0, self.hf)]
 
     def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.hf: torch.cat(list(shards), dim=0)[: self.vocab].clone()}
+        # the largest tensor of the model: no copy beyond the concatenation (a row slice is contiguous)
+        full = shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=0)
+        return {self.hf: full[: self.vocab]}
 
 
 @dataclass(frozen=True)

@@ -25,31 +25,15 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-LATEST = "latest"
+from megatron_mimesis.models.dist_ckpt_reader import (
+    LATEST,
+    TOKENIZER_SUBDIR,
+    CheckpointError,
+    checkpoint_dir,
+    read_latest,
+)
+
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def checkpoint_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def read_latest(root: str | Path) -> int:
-    """The iteration ``latest`` points at; a clear error when it is missing, corrupt or dangling."""
-    latest = Path(root) / LATEST
-    if not latest.exists():
-        raise CheckpointError(f"{latest}: no checkpoint to resume from (missing 'latest')")
-    text = latest.read_text().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{latest}: corrupt, expected an iteration number, found {text[:40]!r}")
-    iteration = int(text)
-    path = checkpoint_dir(root, iteration)
-    if not (path / "metadata.json").exists():
-        raise CheckpointError(f"{path}: 'latest' points at an incomplete or missing checkpoint")
-    return iteration
 
 
 def _unwrap(chunk):
@@ -142,8 +126,12 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, i
 
 
 def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler, progress: dict,
-                    run_config: dict) -> Path:
-    """Write ``root/iter_N`` atomically and point ``latest`` at it; collective over all ranks."""
+                    run_config: dict, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``root/iter_N`` atomically and point ``latest`` at it; collective over all ranks.
+
+    The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a
+    complete HF directory even after the data cache it came from has changed.
+    """
     root = Path(root)
     final = checkpoint_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -156,6 +144,8 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, s
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
+        if tokenizer_dir is not None:
+            shutil.copytree(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -166,15 +156,31 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, s
     return final
 
 
-def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, *, restore_rng: bool = True) -> dict:
+def _saved_run_config(path: Path, preset: dict) -> dict:
+    """The checkpoint's run_config.json, refusing a checkpoint of another model with the differing fields named."""
+    config_path = path / "run_config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path}: missing; not a checkpoint written by this project")
+    saved = json.loads(config_path.read_text())
+    diff = [f"{k}: checkpoint {saved['preset'].get(k)!r} vs config {v!r}" for k, v in preset.items()
+            if k not in ("name", "max_position_embeddings") and saved["preset"].get(k) != v]
+    if diff:
+        raise CheckpointError(f"{path}: checkpoint is of another model ({'; '.join(diff)})")
+    return saved
+
+
+def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset: dict, *,
+                    restore_rng: bool = True) -> dict:
     """Restore model, optimizer, scheduler (and RNG, at the same layout) from ``root/latest``; returns ``progress``.
 
     RNG streams are per rank, so they are restored only when the layout is the one that saved them.
     """
     iteration = read_latest(root)
     path = checkpoint_dir(root, iteration)
-    saved_layout = json.loads((path / "run_config.json").read_text()).get("layout")
-    same_layout = saved_layout == current_layout()
+    saved = _saved_run_config(path, preset)
+    if saved.get("model_only"):
+        raise CheckpointError(f"{path}: holds weights only (an imported checkpoint); start from it with --finetune")
+    same_layout = saved.get("layout") == current_layout()
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, {}, is_loading=True,
                                 rng=restore_rng and same_layout)
     loaded = dist_checkpointing.load(state, str(path))
@@ -187,11 +193,13 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, *, res
     return loaded["progress"]
 
 
-def load_model_weights(root: str | Path, model_chunks) -> int:
+def load_model_weights(root: str | Path, model_chunks, preset: dict) -> int:
     """Only the weights of ``root/latest`` (Megatron's --finetune: a new stage starts at iteration 0 with a fresh
     optimizer, e.g. SFT from the mid-training checkpoint, at any layout); returns the source iteration."""
     iteration = read_latest(root)
-    loaded = dist_checkpointing.load(_model_state(model_chunks), str(checkpoint_dir(root, iteration)))
+    path = checkpoint_dir(root, iteration)
+    _saved_run_config(path, preset)
+    loaded = dist_checkpointing.load(_model_state(model_chunks), str(path))
     _load_model(model_chunks, loaded)
     return iteration
 

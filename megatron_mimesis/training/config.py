@@ -148,6 +148,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not Path(value).exists():
                 raise ConfigError(f"{name}: {value} does not exist")
+        if self.load:
+            from megatron_mimesis.models.dist_ckpt_reader import CheckpointError, read_latest
+
+            try:
+                read_latest(self.load)
+            except CheckpointError as exc:
+                raise ConfigError(f"load: {exc}") from None
         if self.finetune and not self.load:
             raise ConfigError("finetune needs load (the checkpoint whose weights to start from)")
         if self.pretrained_hf and self.load:

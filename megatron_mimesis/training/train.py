@@ -223,10 +223,10 @@ class Trainer:
         c = self.config
         progress = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0}
         if c.load and c.finetune:
-            load_model_weights(c.load, self.model)
+            load_model_weights(c.load, self.model, vars(c.preset))
             self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
         elif c.load:
-            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler)
+            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
         self._data(progress["consumed_samples"])
         run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.provider.padded_vocab_size}
@@ -287,7 +287,7 @@ class Trainer:
 
     def _save(self, save_checkpoint, run_config, progress):
         save_checkpoint(self.config.save, progress["iteration"], self.model, self.optimizer, self.scheduler,
-                        dict(progress), run_config)
+                        dict(progress), run_config, tokenizer_dir=self.manifest["tokenizer"]["path"])
 
 
 def _max_memory_gb() -> float | None:
@@ -310,9 +310,15 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         print(json.dumps(resolved, indent=2))
         return 0
+    from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
+
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, manifest)
-    status = trainer.run()
+    try:
+        status = trainer.run()
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     dist.barrier()
     dist.destroy_process_group()
     return status

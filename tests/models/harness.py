@@ -15,6 +15,7 @@ from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.models.provider import ModelProvider
 
 PRESET = get_preset("tiny")
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def hf_reference(seed: int = 0, preset=PRESET):

@@ -1,0 +1,53 @@
+"""Run a function on N local processes joined in a gloo process group, and collect what each returns.
+
+For work that needs megatron's parallel state but no launcher: CPU checkpoint import at a TP/PP layout,
+and the multi-process tests. Processes are spawned (not forked), so each builds its own process groups
+and megatron-core global state, exactly as under torchrun.
+"""
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, result_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        out = fn(rank, world_size, *args)
+        torch.save({"ok": True, "value": out}, os.path.join(result_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(result_dir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_processes(fn, world_size: int, *args):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the list of return values.
+
+    ``fn`` must be a module-level function (it is pickled into the spawned processes). A failing rank raises
+    RuntimeError carrying that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as result_dir:
+        try:
+            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, result_dir), nprocs=world_size, join=True)
+        except mp.ProcessRaisedException as exc:
+            raise RuntimeError(f"a rank failed:\n{exc}") from None
+        results = [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+    return [r["value"] for r in results]

@@ -1,0 +1,59 @@
+"""Convert between megatron dist checkpoints and Hugging Face Qwen3.5 directories.
+
+    python tools/convert_checkpoint.py import --hf DIR --out DIR [--tp N --pp M] [--dtype bf16]
+    python tools/convert_checkpoint.py export --load DIR [--iteration N] --out DIR [--hf-reference DIR]
+        [--tokenizer DIR] [--dtype bf16] [--max-shard-size-gb 2] [--overwrite]
+
+Exit status 0 on success, 2 with a one-line reason on bad input.
+"""
+
+import argparse
+import sys
+
+from megatron_mimesis.models.conversion import ConversionError, export_to_hf, import_from_hf
+from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF directory -> weights-only dist checkpoint (load with --finetune)")
+    imp.add_argument("--hf", required=True, help="HF Qwen3.5 checkpoint directory")
+    imp.add_argument("--out", required=True, help="output save root (gets iter_0000000/ and latest)")
+    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel processes used to build it (memory split)")
+    imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes used to build it")
+    imp.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    imp.add_argument("--overwrite", action="store_true")
+    exp = sub.add_parser("export", help="dist checkpoint -> HF safetensors directory")
+    exp.add_argument("--load", required=True, help="save root (uses latest) or an iter_N directory")
+    exp.add_argument("--iteration", type=int, help="iteration to export instead of latest")
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--hf-reference", help="original Qwen3_5ForConditionalGeneration directory: keep its layout, "
+                                            "vision tower and MTP weights")
+    exp.add_argument("--tokenizer", help="tokenizer directory to copy (default: the reference's, else the "
+                                         "training data's)")
+    exp.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    exp.add_argument("--max-shard-size-gb", type=float, default=2.0)
+    exp.add_argument("--overwrite", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "import":
+            out = import_from_hf(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                                 overwrite=args.overwrite)
+        else:
+            out = export_to_hf(args.load, args.out, iteration=args.iteration, hf_reference=args.hf_reference,
+                               tokenizer=args.tokenizer, dtype=args.dtype,
+                               max_shard_bytes=int(args.max_shard_size_gb * 2**30), overwrite=args.overwrite)
+    except (ConversionError, CheckpointError, FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
