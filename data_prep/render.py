@@ -1,0 +1,205 @@
+"""Conversations -> token samples with their target spans, in the Qwen3.5 chat template.
+
+Every turn renders as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. The model learns to play the *user*:
+
+* mid-training (thinking off): the target is each user turn's content plus its ``<|im_end|>``; the header
+  ``<|im_start|>user\\n`` and everything before it is context. A conversation that the user opens gives that
+  first turn a loss too (a simulator must be able to open conversations). Turns after the last user turn
+  carry no loss and are dropped.
+* SFT (Qwen3.5 thinking template): the target of a supervised user turn (one that has ``thinking``) is
+  ``<think>\\n{thinking}\\n</think>\\n\\n{content}<|im_end|>``. Like the template, earlier turns are shown
+  without their thinking, so each supervised turn is its own sample.
+
+Human-human chats choose who is the user with ``user_speaker``: ``role`` keeps the roles as given, ``first`` /
+``second`` make the first / second speaker the user (the other becomes the assistant), ``both`` renders the
+conversation twice, once per speaker.
+
+Limits: a sample is at most ``seq_length`` tokens. A long conversation is cut into windows at turn boundaries;
+each window keeps the most recent context that fits (at most half the window in mid-training, so that a window
+always makes progress on new targets) and a leading system turn when it fits. A target turn is never cut: one
+longer than ``seq_length`` is dropped and counted as ``overlong_target_turns``.
+
+Contents are encoded separately from the template pieces (one batch per shard). With the Qwen pre-tokenizer
+this equals encoding the whole rendered string, except for content that starts with a newline.
+"""
+
+from dataclasses import dataclass
+
+from data_prep.records import Conversation, Turn
+from data_prep.tokenizer import END_THINK, IM_END, IM_START, THINK, SentencePieceEncoder, TextEncoder
+
+USER_SPEAKERS = ("role", "first", "second", "both")
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    """The template's fixed pieces, encoded once per process."""
+
+    header: dict[str, list[int]]
+    im_end: int
+    newline: list[int]
+    think: int
+    end_think: int
+
+    @classmethod
+    def from_encoder(cls, encoder: TextEncoder | SentencePieceEncoder) -> "ChatTokens":
+        roles = ("system", "user", "assistant")
+        encoded = encoder.encode_batch([f"{role}\n" for role in roles] + ["\n"])
+        special = encoder.special
+        return cls(
+            header={role: [special[IM_START], *ids] for role, ids in zip(roles, encoded, strict=False)},
+            im_end=special[IM_END],
+            newline=encoded[-1],
+            think=special[THINK],
+            end_think=special[END_THINK],
+        )
+
+
+@dataclass
+class RenderStats:
+    """Per-shard counts: samples made, renderings (conversation x user speaker) without any target turn, and
+    target turns dropped for being longer than ``seq_length``."""
+
+    samples: int = 0
+    no_target_turn: int = 0
+    overlong_target_turns: int = 0
+
+
+def texts_to_encode(conversation: Conversation, with_thinking: bool) -> list[str]:
+    """The strings of one conversation that need the tokenizer, in the order ``render`` consumes them."""
+    texts = [t.content for t in conversation.turns]
+    if with_thinking:
+        for turn in conversation.turns:
+            if turn.thinking is not None:
+                texts.append("\n" + turn.thinking.strip("\n") + "\n")
+                texts.append("\n\n" + turn.content.lstrip("\n"))
+    return texts
+
+
+def render(
+    conversation: Conversation,
+    encoded: list[list[int]],
+    chat: ChatTokens,
+    seq_length: int,
+    user_speaker: str,
+    with_thinking: bool,
+    stats: RenderStats,
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Return ``(tokens, target_spans)`` samples of one conversation; ``encoded`` follows ``texts_to_encode``.
+
+    ``target_spans`` are ``(start, end)`` token ranges of the targets (spans, not a per-token mask, because the
+    shard turns them into a mask array far faster than Python builds per-token lists)."""
+    turns = conversation.turns
+    content_ids = encoded[: len(turns)]
+    thinking_ids = iter(encoded[len(turns) :])
+    target_bodies: list[list[int] | None] = []
+    for turn, content in zip(turns, content_ids, strict=True):
+        if with_thinking:
+            if turn.thinking is None:
+                target_bodies.append(None)
+            else:
+                thought, utterance = next(thinking_ids), next(thinking_ids)
+                target_bodies.append([chat.think, *thought, chat.end_think, *utterance])
+        else:
+            target_bodies.append(content)
+
+    samples = []
+    closing = [chat.im_end, *chat.newline]
+    for user_role in _user_roles(turns, user_speaker):
+        view = [_role_as_rendered(t.role, user_role) for t in turns]
+        is_target = [role == "user" and body is not None for role, body in zip(view, target_bodies, strict=True)]
+        if not any(is_target):
+            stats.no_target_turn += 1
+            continue
+        frame = [len(chat.header[role]) + len(closing) for role in view]
+        windows, overlong = plan_windows(
+            [f + len(ids) for f, ids in zip(frame, content_ids, strict=True)],
+            [f + len(body) if flag else 0 for f, body, flag in zip(frame, target_bodies, is_target, strict=True)],
+            is_target,
+            seq_length,
+            pinned_system=turns[0].role == "system",
+            one_target_per_window=with_thinking,
+        )
+        stats.overlong_target_turns += overlong
+        for window in windows:
+            tokens: list[int] = []
+            spans: list[tuple[int, int]] = []
+            for index, supervised in window:
+                tokens += chat.header[view[index]]
+                if supervised:
+                    start = len(tokens)
+                    tokens += target_bodies[index]
+                    spans.append((start, len(tokens) + 1))  # the body and its <|im_end|>
+                else:
+                    tokens += content_ids[index]
+                tokens += closing
+            samples.append((tokens, spans))
+        stats.samples += len(windows)
+    return samples
+
+
+def _user_roles(turns: tuple[Turn, ...], user_speaker: str) -> list[str]:
+    """Which original role plays the user in each rendering of the conversation."""
+    if user_speaker == "role":
+        return ["user"]
+    first = next(t.role for t in turns if t.role != "system")
+    second = "assistant" if first == "user" else "user"
+    return {"first": [first], "second": [second], "both": [first, second]}[user_speaker]
+
+
+def _role_as_rendered(role: str, user_role: str) -> str:
+    if role == "system":
+        return role
+    return "user" if role == user_role else "assistant"
+
+
+def plan_windows(
+    plain_lengths: list[int],
+    target_lengths: list[int],
+    is_target: list[bool],
+    seq_length: int,
+    pinned_system: bool,
+    one_target_per_window: bool,
+) -> tuple[list[list[tuple[int, bool]]], int]:
+    """Cut a conversation into windows of ``(turn index, supervised)`` that fit ``seq_length``.
+
+    Returns the windows and the number of target turns that alone exceed ``seq_length``.
+    """
+    targets = [i for i, flag in enumerate(is_target) if flag]
+    max_context = seq_length if one_target_per_window else seq_length // 2
+    first_free = 1 if pinned_system else 0
+    windows = []
+    overlong = 0
+    position = 0
+    while position < len(targets):
+        start = targets[position]
+        if target_lengths[start] > seq_length:
+            overlong += 1
+            position += 1
+            continue
+        budget = min(max_context, seq_length - target_lengths[start])
+        keep_system = pinned_system and plain_lengths[0] <= budget
+        used = plain_lengths[0] if keep_system else 0
+        context_start = start
+        while context_start > first_free and used + plain_lengths[context_start - 1] <= budget:
+            context_start -= 1
+            used += plain_lengths[context_start]
+        window = [(0, False)] if keep_system else []
+        window += [(i, False) for i in range(context_start, start)]
+        window.append((start, True))
+        total = used + target_lengths[start]
+        position += 1
+        if not one_target_per_window:
+            extension = []
+            for i in range(start + 1, len(is_target)):
+                length = target_lengths[i] if is_target[i] else plain_lengths[i]
+                if total + length > seq_length or position == len(targets):
+                    break
+                total += length
+                extension.append((i, is_target[i]))
+                if is_target[i]:
+                    window += extension
+                    extension = []
+                    position += 1
+        windows.append(window)
+    return windows, overlong
