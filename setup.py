@@ -17,6 +17,7 @@ setup(
         "transformers>=5.2",
         "safetensors",
         "tokenizers",
+        "sentencepiece",
         "datasets",
         "einops",
         "numpy",

@@ -107,3 +107,36 @@ def test_finetune_starts_from_the_weights_at_another_layout(tiny_dataset, tiny_h
     assert len(weights) > 20
     for name in weights:
         assert torch.allclose(before[name], after[name].float(), rtol=1e-2, atol=1e-2), name
+
+
+def test_imported_checkpoint_trains_and_exports_to_transformers(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """HF -> import -> trainer (TP=2, --finetune) -> export -> transformers: same logits as megatron."""
+    from megatron.core import dist_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.conversion import export_to_hf, import_from_hf
+    from megatron_mimesis.models.provider import ModelProvider
+    from megatron_mimesis.training.config import TrainConfig
+    from tests.models.harness import init_single_process_megatron
+
+    import_from_hf(tiny_hf_checkpoint, tmp_path / "imported", dtype="fp32")
+    trained = tmp_path / "run" / "ckpt"
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "run", "--tensor-model-parallel-size", "2",
+                                "--train-iters", "2", "--load", str(tmp_path / "imported"), "--finetune",
+                                "--save", str(trained)))
+    export_to_hf(trained, tmp_path / "hf", dtype="fp32", progress=False)
+    assert (tmp_path / "hf" / "tokenizer.json").exists()  # the trainer saved its tokenizer with the checkpoint
+
+    init_single_process_megatron()
+    preset = TrainConfig(model_overrides={"vocab_size": 512}).preset
+    provider = ModelProvider(preset, transformer_config(preset, ParallelConfig()))
+    model = provider()
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(trained / "iter_0000002"))
+    model.load_state_dict(state["model"])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.randint(0, 512, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(48).unsqueeze(0), None)
+        theirs = exported(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
