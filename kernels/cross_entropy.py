@@ -1,0 +1,24 @@
+"""Masked cross entropy for mid-training and SFT on the same tiled engine as the policy loss: at length 24576
+and vocab 248320 the bf16 logits of one sequence alone are 12 GB, so the language-model loss never builds them.
+"""
+
+from . import reference
+from .dispatch import resolve_impl, tensor_parallel_group
+
+
+def fused_linear_cross_entropy(hidden, weight, target_ids, loss_mask, *, tp_group=None, normalizer=None,
+                               impl="auto"):
+    """sum(m * -log p(y)) / normalizer from hidden [N, H] and the output weight shard [V_local, H].
+
+    ``normalizer`` defaults to this call's loss-token count; pass the global count over data-parallel ranks and
+    micro-batches for exact gradient accumulation. Called from megatron with hidden from the last stage (gathered
+    first under sequence parallel) and the output layer's weight shard; TP semantics as in linear_logprob.py.
+    Returns (loss, {"num_tokens", "mean_nll"}).
+    """
+    tp_group = tensor_parallel_group(tp_group)
+    if resolve_impl(impl, hidden) == "triton":
+        from .linear_logprob import linear_logprob
+    else:
+        linear_logprob = reference.linear_logprob
+    logprobs, _ = linear_logprob(hidden, weight, target_ids, tp_group)
+    return reference.cross_entropy_from_logprobs(logprobs, loss_mask, normalizer)

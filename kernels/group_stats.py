@@ -1,0 +1,72 @@
+"""FoldGRPO group statistics and multi-turn reward-to-go as segmented Triton kernels, with no host syncs.
+
+Rows are ordered on the device by (group, rollout, row) with two stable argsorts, so ids may come sorted or not
+and of any integer value; segment starts come from a scatter-min, so the number of groups never has to be read
+on the host. One program per possible segment (at most one per row) walks its segment: sums over the first row
+of each rollout, a second pass for the centred sum of squares (numerically safer than sum of squares), and a
+third that writes every row's advantage back to its original position (group_stats_kernels.py, imported only
+when Triton runs, so a machine without Triton still gets the reference).
+"""
+
+import torch
+
+from . import reference
+from .dispatch import resolve_impl
+
+
+def _run_heads(*sorted_keys):
+    """True at row 0 and wherever any of the (sorted) keys differs from the previous row."""
+    head = torch.zeros(sorted_keys[0].shape[0], dtype=torch.bool, device=sorted_keys[0].device)
+    head[:1] = True
+    for keys in sorted_keys:
+        head[1:] |= keys[1:] != keys[:-1]
+    return head
+
+
+def _segment_starts(heads):
+    """[n + 1] tensor: start row of each segment, then n for every slot past the last segment."""
+    n = heads.shape[0]
+    starts = torch.full((n + 1,), n, dtype=torch.int64, device=heads.device)
+    return starts.scatter_reduce(0, torch.cumsum(heads, 0) - 1, torch.arange(n, device=heads.device), reduce="amin")
+
+
+def foldgrpo_advantages(rewards, group_ids, rollout_ids=None, *, eps=1e-6, unbiased=True,
+                        zero_positive_for_negative_reward=False, impl="auto"):
+    """Per-row (reward - mean_g) / (std_g + eps), statistics over the first row of each unique rollout id.
+
+    ``rollout_ids=None`` is plain GRPO (every row its own rollout). A group with a single rollout gets mean 0 and
+    std 1. ``zero_positive_for_negative_reward`` zeroes positive advantages of rows whose raw reward is negative.
+    """
+    if resolve_impl(impl, rewards) == "torch":
+        return reference.group_advantages(rewards, group_ids, rollout_ids, eps=eps, unbiased=unbiased,
+                                          zero_positive_for_negative_reward=zero_positive_for_negative_reward)
+    n = rewards.shape[0]
+    if rollout_ids is None:
+        rollout_ids = torch.arange(n, device=rewards.device)
+    by_rollout = torch.argsort(rollout_ids, stable=True)
+    order = by_rollout[torch.argsort(group_ids[by_rollout], stable=True)]
+    groups, rollouts = group_ids[order], rollout_ids[order]
+    starts = _segment_starts(_run_heads(groups))
+    first_of_rollout = _run_heads(groups, rollouts).to(torch.int8)
+    from .group_stats_kernels import BLOCK, group_advantage_kernel
+
+    out = torch.empty(n, dtype=torch.float32, device=rewards.device)
+    group_advantage_kernel[(n,)](rewards.float()[order].contiguous(), first_of_rollout, order, starts, out, n, eps,
+                                 UNBIASED=unbiased, ZERO_POSITIVE_FOR_NEGATIVE=zero_positive_for_negative_reward,
+                                 BLOCK=BLOCK)
+    return out
+
+
+def discounted_returns(rewards_per_turn, episode_ids, gamma=0.8, *, impl="auto"):
+    """Reward-to-go over the turns of multi-turn episodes: G_t = r_t + gamma * G_{t+1}, turns in row order
+    within each episode (episodes may interleave). The paper uses gamma 0.8."""
+    if resolve_impl(impl, rewards_per_turn) == "torch":
+        return reference.discounted_returns(rewards_per_turn, episode_ids, gamma)
+    n = rewards_per_turn.shape[0]
+    order = torch.argsort(episode_ids, stable=True)
+    starts = _segment_starts(_run_heads(episode_ids[order]))
+    from .group_stats_kernels import discounted_returns_kernel
+
+    out = torch.empty(n, dtype=torch.float32, device=rewards_per_turn.device)
+    discounted_returns_kernel[(n,)](rewards_per_turn.float()[order].contiguous(), order, starts, out, n, gamma)
+    return out

@@ -1,0 +1,102 @@
+"""Log-prob of sampled tokens from already materialised (vocab-sharded) logits [N, V_local], for callers that
+have logits anyway. Same tiled statistics and TP combination as the hidden-state engine; the backward writes
+d logits = dl * (onehot - softmax) tile by tile in the logits dtype, recomputing the softmax from the saved
+log-sum-exp instead of keeping a probability tensor.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import interpreting
+from .reference import vocab_shard_start
+from .vocab_tiles import combine_partials, geometry, new_partials, online_update, store_partials
+
+
+def _blocks():
+    """(tokens, vocab) tile sizes; memory-bound, so wide vocab tiles. Small under the interpreter so CPU test
+    shapes span several tiles with ragged edges."""
+    return (16, 32) if interpreting() else (16, 512)
+
+
+@triton.jit
+def _forward_kernel(LOGITS, TARGET, PART, num_tokens, vocab, vocab_start, tiles_per_split, num_splits, stride,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    split = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_tokens
+    local_target = tl.load(TARGET + rows, mask=row_ok, other=-1) - vocab_start
+    run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    run_sum = tl.zeros((BLOCK_N,), tl.float32)
+    run_sum_z = tl.zeros((BLOCK_N,), tl.float32)
+    target = tl.zeros((BLOCK_N,), tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(vocab, BLOCK_V))
+    for tile in range(first, last):
+        cols = (tile * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        col_ok = cols < vocab
+        z = tl.load(LOGITS + rows[:, None] * stride + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        run_max, run_sum, run_sum_z, target = online_update(z, cols, col_ok, local_target, run_max, run_sum,
+                                                            run_sum_z, target)
+    store_partials(PART, rows, row_ok, split, num_splits, num_tokens, run_max, run_sum, run_sum_z, target)
+
+
+@triton.jit
+def _backward_kernel(LOGITS, TARGET, LSE, DLOGPROB, GRAD_LOGITS, num_tokens, vocab, vocab_start, tiles_per_split,
+                     stride, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    split = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_tokens
+    dlogprob = tl.load(DLOGPROB + rows, mask=row_ok, other=0.0)
+    local_target = tl.load(TARGET + rows, mask=row_ok, other=-1) - vocab_start
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(vocab, BLOCK_V))
+    for tile in range(first, last):
+        cols = (tile * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        ok = row_ok[:, None] & (cols < vocab)[None, :]
+        offsets = rows[:, None] * stride + cols[None, :]
+        z = tl.load(LOGITS + offsets, mask=ok, other=0.0).to(tl.float32)
+        onehot = tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
+        dz = dlogprob[:, None] * (onehot - tl.exp(z - lse[:, None]))
+        tl.store(GRAD_LOGITS + rows[:, None] * vocab + cols[None, :], dz.to(GRAD_LOGITS.dtype.element_ty), mask=ok)
+
+
+class LogitsLogprob(torch.autograd.Function):
+    """(logits [N, V_local], global target ids [N]) -> (logprob [N], entropy [N]), fp32; entropy not
+    differentiable. Under TP the statistics are all-reduced; the logits gradient is the local shard's."""
+
+    @staticmethod
+    def forward(ctx, logits, target_ids, tp_group):
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        target_ids = target_ids.contiguous()
+        block_n, block_v = _blocks()
+        num_tokens, vocab = logits.shape
+        geo = geometry(num_tokens, vocab, block_n, block_v, logits.device)
+        vocab_start = vocab_shard_start(vocab, tp_group)
+        partials = new_partials(num_tokens, geo, logits.device)
+        _forward_kernel[geo.grid](logits, target_ids, partials, num_tokens, vocab, vocab_start, geo.tiles_per_split,
+                                  geo.splits, logits.stride(0), BLOCK_N=block_n, BLOCK_V=block_v)
+        logprob, entropy, log_sum_exp = combine_partials(partials, tp_group)
+        ctx.save_for_backward(logits, target_ids, log_sum_exp)
+        ctx.vocab_start, ctx.geo = vocab_start, geo
+        ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, _grad_entropy):
+        logits, target_ids, log_sum_exp = ctx.saved_tensors
+        if grad_logprob is None:
+            return None, None, None
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        block_n, block_v = _blocks()
+        _backward_kernel[ctx.geo.grid](logits, target_ids, log_sum_exp, grad_logprob.float().contiguous(),
+                                       grad_logits, logits.shape[0], logits.shape[1], ctx.vocab_start,
+                                       ctx.geo.tiles_per_split, logits.stride(0), BLOCK_N=block_n, BLOCK_V=block_v)
+        return grad_logits, None, None
+
+
+def logits_logprob(logits, target_ids, tp_group=None):
+    return LogitsLogprob.apply(logits, target_ids, tp_group)

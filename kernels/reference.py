@@ -1,0 +1,232 @@
+"""Plain fp32 PyTorch specifications of every loss kernel (DESIGN.md, "Loss semantics").
+
+These are deliberately unfused and materialise the full logits: they are the definition the Triton kernels are
+tested against, and the ``impl="torch"`` path. The per-token objective functions (GRPO clip, CSD gate, aggregation)
+work on [N] vectors and are shared by the fused path, which only replaces the expensive part: the log-prob of the
+sampled token from hidden states and a (vocab-sharded) output weight.
+"""
+
+import torch
+import torch.distributed as dist
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+class _AllReduceForwardIdentityBackward(torch.autograd.Function):
+    """Sum a per-shard partial across the TP group; every rank then computes the same replicated loss, so the
+    gradient of that loss w.r.t. the local partial is the incoming gradient itself (no reduction)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _IdentityForwardAllReduceBackward(torch.autograd.Function):
+    """Megatron's copy_to_tensor_model_parallel_region: the replicated hidden state feeds every vocab shard, so
+    its gradient is the sum of the shards' partial gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _fp32_or_wider(tensor):
+    """fp32 compute, except fp64 stays fp64 (for gradcheck)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
+def vocab_shard_start(local_vocab: int, tp_group) -> int:
+    """First global vocab id held by this rank: megatron splits the vocab into equal contiguous shards."""
+    return 0 if tp_group is None else dist.get_rank(tp_group) * local_vocab
+
+
+def logprob_and_entropy_from_logits(logits, target_ids, tp_group=None, vocab_start=0):
+    """Log-prob of each target and the per-token entropy from (possibly vocab-sharded) logits, in fp32.
+
+    Under TP the max, the sum of exponentials, the target logit and the entropy's sum(p z) are combined over
+    the group, so every rank gets the TP=1 values. Entropy is a metric and carries no gradient.
+    """
+    logits = _fp32_or_wider(logits)
+    local_ids = target_ids.long() - vocab_start
+    in_shard = (local_ids >= 0) & (local_ids < logits.shape[-1])
+    max_logit = logits.detach().max(dim=-1).values
+    if tp_group is not None:
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - max_logit[:, None]
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    target = torch.where(in_shard, shifted.gather(-1, local_ids.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0], 0.0)
+    sum_exp_shifted = (exp * shifted).detach().sum(dim=-1)
+    if tp_group is not None:
+        sum_exp = _AllReduceForwardIdentityBackward.apply(sum_exp, tp_group)
+        target = _AllReduceForwardIdentityBackward.apply(target, tp_group)
+        dist.all_reduce(sum_exp_shifted, group=tp_group)
+    log_sum_exp = sum_exp.log()
+    entropy = log_sum_exp.detach() - sum_exp_shifted / sum_exp.detach()
+    return target - log_sum_exp, entropy
+
+
+def linear_logprob(hidden, weight, target_ids, tp_group=None):
+    """Log-prob of each target token (and entropy) from hidden [N, H] and the output weight shard [V_local, H]."""
+    if tp_group is not None:
+        hidden = _IdentityForwardAllReduceBackward.apply(hidden, tp_group)
+    logits = _fp32_or_wider(hidden) @ _fp32_or_wider(weight).t()
+    return logprob_and_entropy_from_logits(logits, target_ids, tp_group, vocab_shard_start(weight.shape[0], tp_group))
+
+
+def grpo_per_token_loss(logprobs, old_logprobs, advantages, *, clip_eps_low, clip_eps_high, dual_clip_c=None,
+                        ratio_upper_clamp=None):
+    """-min(r A, clip(r, 1-eps_low, 1+eps_high) A) with r = exp(l - l_old).
+
+    ``ratio_upper_clamp`` caps r in the unclipped term (two-sided clipping: a huge ratio with A < 0 cannot explode
+    the loss); ``dual_clip_c`` (> 1) bounds the loss of negative-advantage tokens by -c A (dual-clip PPO).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio if ratio_upper_clamp is None else ratio.clamp(max=ratio_upper_clamp)
+    clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = -torch.minimum(unclipped * advantages, clipped * advantages)
+    if dual_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip_c * advantages), loss)
+    return loss
+
+
+def csd_gate(logprobs, teacher_logprobs, beta):
+    """g = sigmoid(beta * stopgrad(teacher - student)): tokens the teacher likes less get a small weight."""
+    return torch.sigmoid(beta * (teacher_logprobs - logprobs.detach()))
+
+
+def sequence_index(cu_seqlens, num_tokens):
+    """Sequence number of every token from cumulative sequence lengths [S + 1] (no host sync)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths,
+                                   output_size=num_tokens)
+
+
+def aggregate(per_token, loss_mask, loss_agg="token-mean", cu_seqlens=None, normalizer=None):
+    """Reduce a per-token loss to a scalar.
+
+    "token-mean": sum(m L) / normalizer, normalizer defaulting to sum(m) of this call. Pass the global count of
+    loss tokens over data-parallel ranks and micro-batches to make gradient accumulation exact.
+    "seq-mean-token-mean": the token-mean of each sequence (``cu_seqlens``), summed and divided by the normaliser,
+    which here counts sequences (default: sequences with at least one loss token in this call).
+    """
+    mask = loss_mask.float()
+    per_token = torch.where(loss_mask.bool(), per_token, 0.0)
+    if loss_agg == "token-mean":
+        denominator = mask.sum().clamp(min=1.0) if normalizer is None else normalizer
+        return per_token.sum() / denominator
+    if loss_agg == "seq-mean-token-mean":
+        if cu_seqlens is None:
+            raise ValueError('loss_agg="seq-mean-token-mean" needs cu_seqlens')
+        seq = sequence_index(cu_seqlens, per_token.shape[0])
+        num_seqs = cu_seqlens.shape[0] - 1
+        seq_sum = per_token.new_zeros(num_seqs).index_add(0, seq, per_token)
+        seq_count = mask.new_zeros(num_seqs).index_add(0, seq, mask)
+        seq_mean = seq_sum / seq_count.clamp(min=1.0)
+        denominator = (seq_count > 0).sum().clamp(min=1) if normalizer is None else normalizer
+        return seq_mean.sum() / denominator
+    raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
+
+
+def masked_mean(values, loss_mask):
+    return torch.where(loss_mask.bool(), values, 0.0).sum() / loss_mask.float().sum().clamp(min=1.0)
+
+
+def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advantages, *, teacher_logprobs=None,
+                              csd_alpha=0.0, csd_beta=5.0, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None,
+                              ratio_upper_clamp=None, loss_agg="token-mean", cu_seqlens=None, normalizer=None,
+                              return_entropy=False):
+    """L_GRPO + alpha L_CSD from per-token student log-probs, plus detached metrics.
+
+    Metrics are means over this call's loss tokens: clip fractions (low: r < 1-eps_low with A < 0, high:
+    r > 1+eps_high with A > 0), approx KL (Schulman's k3 estimator of KL(old || new): (r - 1) - log r),
+    the mean CSD gate, and the per-token entropy when asked. Masked positions get ratio 1 (their old log-prob may
+    be padding), so they can produce neither inf nor NaN, in the loss or its gradient.
+    """
+    old_logprobs = torch.where(loss_mask.bool(), _fp32_or_wider(old_logprobs), logprobs.detach())
+    advantages = _fp32_or_wider(advantages)
+    per_token = grpo_per_token_loss(logprobs, old_logprobs, advantages, clip_eps_low=clip_eps_low,
+                                    clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c,
+                                    ratio_upper_clamp=ratio_upper_clamp)
+    pg_loss = aggregate(per_token, loss_mask, loss_agg, cu_seqlens, normalizer)
+    loss = pg_loss
+    with torch.no_grad():
+        log_ratio = logprobs - old_logprobs
+        ratio = log_ratio.exp()
+        metrics = {
+            "pg_loss": pg_loss.detach(),
+            "clip_frac_low": masked_mean(((ratio < 1.0 - clip_eps_low) & (advantages < 0)).float(), loss_mask),
+            "clip_frac_high": masked_mean(((ratio > 1.0 + clip_eps_high) & (advantages > 0)).float(), loss_mask),
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, loss_mask),
+        }
+    if teacher_logprobs is not None:
+        gate = csd_gate(logprobs, _fp32_or_wider(teacher_logprobs), csd_beta)
+        csd_loss = aggregate(-gate * logprobs, loss_mask, loss_agg, cu_seqlens, normalizer)
+        loss = loss + csd_alpha * csd_loss
+        metrics["csd_loss"] = csd_loss.detach()
+        metrics["mean_gate"] = masked_mean(gate, loss_mask)
+    if return_entropy:
+        metrics["entropy"] = entropy.detach()
+    return loss, metrics
+
+
+def cross_entropy_from_logprobs(logprobs, loss_mask, normalizer=None):
+    """Masked token-mean negative log-likelihood; metrics: loss-token count and the per-call mean NLL."""
+    loss = aggregate(-logprobs, loss_mask, "token-mean", normalizer=normalizer)
+    with torch.no_grad():
+        metrics = {"num_tokens": loss_mask.float().sum(), "mean_nll": masked_mean(-logprobs, loss_mask)}
+    return loss, metrics
+
+
+def group_advantages(rewards, group_ids, rollout_ids=None, *, eps=1e-6, unbiased=True,
+                     zero_positive_for_negative_reward=False):
+    """FoldGRPO advantages, row by row in Python.
+
+    Each group's mean and std are taken over the first row of each unique rollout id (plain GRPO when
+    ``rollout_ids`` is None: every row is its own rollout). A group with one rollout gets mean 0, std 1.
+    Every row gets (reward - mean) / (std + eps).
+    """
+    rewards = rewards.float()
+    rollout_ids = torch.arange(len(rewards)) if rollout_ids is None else rollout_ids
+    first_reward = {}
+    for i in range(len(rewards)):
+        first_reward.setdefault((int(group_ids[i]), int(rollout_ids[i])), rewards[i])
+    stats = {}
+    for group in {g for g, _ in first_reward}:
+        values = torch.stack([r for (g, _), r in first_reward.items() if g == group])
+        if len(values) < 2:
+            stats[group] = (torch.tensor(0.0), torch.tensor(1.0))
+        else:
+            stats[group] = (values.mean(), values.std(unbiased=unbiased))
+    out = torch.empty_like(rewards)
+    for i in range(len(rewards)):
+        mean, std = stats[int(group_ids[i])]
+        out[i] = (rewards[i] - mean) / (std + eps)
+        if zero_positive_for_negative_reward and rewards[i] < 0 and out[i] > 0:
+            out[i] = 0.0
+    return out
+
+
+def discounted_returns(rewards_per_turn, episode_ids, gamma):
+    """Reward-to-go G_t = r_t + gamma G_{t+1} within each episode, turns in row order."""
+    rewards = rewards_per_turn.float()
+    out = torch.empty_like(rewards)
+    running = {}
+    for i in reversed(range(len(rewards))):
+        episode = int(episode_ids[i])
+        running[episode] = rewards[i] + gamma * running.get(episode, 0.0)
+        out[i] = running[episode]
+    return out
