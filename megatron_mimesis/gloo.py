@@ -31,6 +31,7 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     try:
         out = fn(rank, world_size, *args)
         torch.save({"ok": True, "value": out}, os.path.join(result_dir, f"{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective (seen to abort a rank)
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(result_dir, f"{rank}.pt"))
         raise

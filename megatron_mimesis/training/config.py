@@ -132,8 +132,8 @@ class TrainConfig:
             raise ConfigError(f"seq_length {self.seq_length} exceeds max_position_embeddings {preset.max_position_embeddings}")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"lr_decay_style must be cosine, linear or constant, not {self.lr_decay_style!r}")
-        if self.lr_warmup_iters > (self.lr_decay_iters or self.train_iters):
-            raise ConfigError("lr_warmup_iters exceeds the decay iterations")
+        if self.lr_warmup_iters >= (self.lr_decay_iters or self.train_iters):
+            raise ConfigError("lr_warmup_iters must be fewer than the decay iterations (lr_decay_iters or train_iters)")
         if self.recompute_granularity not in (None, "selective", "full"):
             raise ConfigError(f"recompute_granularity must be selective or full, not {self.recompute_granularity!r}")
         if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):

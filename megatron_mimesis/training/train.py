@@ -130,15 +130,24 @@ class Trainer:
             load_hf_weights(chunk, state, self.config.preset, self.provider.padded_vocab_size)
 
     def _data(self, consumed_samples: int):
-        from megatron_mimesis.training.data import build_datasets, make_loader
+        from megatron_mimesis.training.data import build_datasets
 
         c = self.config
         train_samples = c.train_iters * c.global_batch_size
         evals = (c.train_iters // c.eval_interval + 1) if c.eval_interval else 0
         valid_samples = max(evals * c.eval_iters * c.global_batch_size, 1)
         train, valid = build_datasets(c.data_path, c.seq_length, train_samples, valid_samples, c.seed)
-        self.train_loader = make_loader(train, train_samples, consumed_samples, c.micro_batch_size, c.num_workers)
+        self.train_iterators = self._iterators(train, train_samples, consumed_samples, c.num_workers)
         self.valid = valid
+
+    def _iterators(self, dataset, total_samples: int, consumed_samples: int, num_workers: int):
+        """One iterator per model chunk: the interleaved schedule draws each chunk's micro-batches separately,
+        so every chunk gets its own loader over the same samples (as in Megatron-LM)."""
+        from megatron_mimesis.training.data import make_loader
+
+        iterators = [iter(make_loader(dataset, total_samples, consumed_samples, self.config.micro_batch_size,
+                                      num_workers)) for _ in self.model]
+        return iterators if len(iterators) > 1 else iterators[0]
 
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator, model):
@@ -157,9 +166,8 @@ class Trainer:
 
         c = self.config
         num_micro = c.num_microbatches(self.world_size)
-        iterators = [data_iterator] * len(self.model) if len(self.model) > 1 else data_iterator
         return get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iterators, model=self.model,
+            forward_step_func=self._forward_step, data_iterator=data_iterator, model=self.model,
             num_microbatches=num_micro, seq_length=c.seq_length * c.micro_batch_size, micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -192,13 +200,10 @@ class Trainer:
         return {"loss": loss, "tokens": tokens, "skipped": not ok, "grad_norm": grad_norm, "lr": lr}
 
     def evaluate(self) -> float:
-        from megatron_mimesis.training.data import make_loader
-
         c = self.config
         for m in self.model:
             m.eval()
-        total = c.eval_iters * c.global_batch_size
-        loader = iter(make_loader(self.valid, total, 0, c.micro_batch_size, 0))
+        loader = self._iterators(self.valid, c.eval_iters * c.global_batch_size, 0, num_workers=0)
         sums = []
         with torch.no_grad():
             for _ in range(c.eval_iters):
@@ -236,7 +241,7 @@ class Trainer:
         flops_per_token = train_flops_per_token(c.preset, c.seq_length)
         # MFU only where a peak is known: on CPU it would be a made-up number
         peak = device_peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
-        data_iterator = iter(self.train_loader)
+        data_iterator = self.train_iterators
         save = partial(self._save, save_checkpoint, run_config)
         status = 0
         while progress["iteration"] < c.train_iters:

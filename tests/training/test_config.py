@@ -36,7 +36,8 @@ def test_unknown_yaml_option_is_named(tmp_path):
     ({"pipeline_model_parallel_size": 3}, 3, "must divide num_layers"),
     ({"recompute_granularity": "full"}, 1, "recompute_method uniform or block"),
     ({"save_interval": 10}, 1, "save \\(the checkpoint directory\\) is not"),
-    ({"lr_warmup_iters": 500}, 1, "lr_warmup_iters exceeds"),
+    ({"lr_warmup_iters": 500}, 1, "lr_warmup_iters must be fewer"),
+    ({"lr_warmup_iters": 5, "train_iters": 5}, 1, "lr_warmup_iters must be fewer"),
     ({"seq_length": 10_000}, 1, "exceeds max_position_embeddings"),
     ({"model": "70b"}, 1, "unknown preset '70b'"),
 ])
