@@ -115,6 +115,11 @@ class TrainConfig:
             validate_layout(preset, self.parallel)
         except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from None
+        if self.context_parallel_size > 1:
+            from megatron_mimesis.models.layer_specs import select_backend
+
+            if select_backend() != "te":
+                raise ConfigError("context_parallel_size > 1 needs Transformer Engine attention (a GPU with [gpu])")
         mp = self.model_parallel_size()
         if world_size % mp:
             raise ConfigError(f"world size {world_size} is not a multiple of TP*PP*CP = {mp}")

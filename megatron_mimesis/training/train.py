@@ -255,10 +255,6 @@ class Trainer:
                 progress["skipped_iters"] += 1
                 log.message(f"iteration {it}: non-finite loss or grad, step skipped "
                             f"({progress['skipped_iters']}/{c.max_skipped_iters})")
-                if progress["skipped_iters"] > c.max_skipped_iters:
-                    log.message("too many skipped iterations; stopping")
-                    status = 1
-                    break
             if it % c.log_interval == 0:
                 tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
                 achieved = tokens_per_sec * flops_per_token / self.world_size
@@ -270,6 +266,10 @@ class Trainer:
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })
+            if progress["skipped_iters"] > c.max_skipped_iters:
+                log.message("too many skipped iterations; stopping without saving (the last checkpoint is intact)")
+                status = 1
+                break
             if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
                 log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
             if c.save and c.save_interval and it % c.save_interval == 0:

@@ -40,6 +40,7 @@ def test_unknown_yaml_option_is_named(tmp_path):
     ({"lr_warmup_iters": 5, "train_iters": 5}, 1, "lr_warmup_iters must be fewer"),
     ({"seq_length": 10_000}, 1, "exceeds max_position_embeddings"),
     ({"model": "70b"}, 1, "unknown preset '70b'"),
+    ({"context_parallel_size": 2}, 2, "needs Transformer Engine attention"),
 ])
 def test_invalid_configs_fail_with_one_line_reason(tmp_path, changes, world, reason):
     with pytest.raises(ConfigError, match=reason) as info:

@@ -144,3 +144,14 @@ def test_imported_checkpoint_trains_and_exports_to_transformers(tiny_dataset, ti
         ours = model(ids, torch.arange(48).unsqueeze(0), None)
         theirs = exported(ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_diverging_run_skips_non_finite_steps_then_stops(tiny_dataset, tmp_path):
+    args = common_args(tiny_dataset, tmp_path, "--train-iters", "40", "--max-skipped-iters", "2")
+    args[args.index("--lr") + 1] = "1e4"  # diverges within a few steps
+    args[args.index("--min-lr") + 1] = "1e4"
+    proc = run_trainer(1, *args, "--clip-grad", "0", check=False)
+    assert proc.returncode != 0
+    records = read_metrics(tmp_path)
+    assert records[-1]["skipped_iters"] == 3 and records[-1]["iteration"] < 40
+    assert any(r["loss"] is None for r in records)  # non-finite losses are logged as null, not dropped
