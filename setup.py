@@ -29,7 +29,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff", "liger-kernel", "chitchat-dataset"],
+        "dev": ["pytest>=8", "ruff", "liger-kernel", "chitchat-dataset", "openai"],
         # apex is not on PyPI under that name: build it from NVIDIA's sources when wanted.
         "gpu": [
             "transformer-engine[pytorch]",
