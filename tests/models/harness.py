@@ -69,8 +69,8 @@ def init_single_process_megatron():
     model_parallel_cuda_manual_seed(0)
 
 
-def build_megatron_from_hf(hf_state, parallel: ParallelConfig, preset=PRESET):
-    config = transformer_config(preset, parallel)
+def build_megatron_from_hf(hf_state, parallel: ParallelConfig, preset=PRESET, **config_overrides):
+    config = transformer_config(preset, parallel, **config_overrides)
     provider = ModelProvider(preset, config)
     model = provider()
     load_hf_weights(model, hf_state, preset, provider.padded_vocab_size)

@@ -1,0 +1,180 @@
+"""One policy-gradient update on megatron: folded rows -> token-balanced packed micro-batches -> the fused
+GRPO (+ CSD) loss on the last stage's hidden states -> an optimizer step.
+
+Each training row is one policy turn: ``context + response`` tokens, with the loss on the response tokens
+only (the position before each response token predicts it), the sampler's log-probs of those tokens as the
+old log-probs, and the row's advantage on every one of its tokens. Rows are packed into THD micro-batches
+(documents never see each other) of at most ``max_tokens_per_microbatch`` tokens, balanced across
+data-parallel ranks by token count; every rank computes the same plan, so all ranks agree on the number of
+micro-batches without communicating. The loss is a token mean over the whole step: the fused kernel returns
+the sum over its micro-batch and megatron divides the gradients by the step's loss-token count across
+micro-batches and data-parallel ranks (``calculate_per_token_loss``).
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+from megatron_mimesis.data.collate import packed_seq_params
+from megatron_mimesis.kernels import fused_linear_policy_loss
+from megatron_mimesis.rl.types import TrainingRow
+
+TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "old_logprobs", "advantages", "teacher_logprobs", "position_ids")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: float | None = None
+    csd_alpha: float = 0.0
+    csd_beta: float = 5.0
+
+
+def row_sample(row: TrainingRow, advantage: float, teacher_logprobs: list[float] | None = None) -> dict:
+    """Token-level arrays of one row; position i predicts token i + 1."""
+    tokens = row.context_ids + row.response_ids
+    n, start = len(tokens), len(row.context_ids) - 1
+    if len(row.response_logprobs) != len(row.response_ids) or start < 0:
+        raise ValueError("a row needs a non-empty context and one log-prob per response token")
+    zeros = [0.0] * n
+    mask, old, adv, teacher = list(zeros), list(zeros), list(zeros), list(zeros)
+    for k, logprob in enumerate(row.response_logprobs):
+        mask[start + k], old[start + k], adv[start + k] = 1.0, logprob, advantage
+        if teacher_logprobs is not None:
+            teacher[start + k] = teacher_logprobs[k]
+    return {"tokens": tokens, "labels": tokens[1:] + [0], "loss_mask": mask, "old_logprobs": old,
+            "advantages": adv, "teacher_logprobs": teacher, "position_ids": list(range(n))}
+
+
+def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Row indices per data-parallel rank per micro-batch: longest rows first onto the lightest rank, then packed
+    first-fit into micro-batches of at most ``max_tokens``; every rank gets the same number of micro-batches
+    (short ranks get empty ones, which carry no loss)."""
+    if max(lengths, default=0) > max_tokens:
+        raise ValueError(f"a row of {max(lengths)} tokens exceeds max_tokens_per_microbatch={max_tokens}")
+    per_rank: list[list[int]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = load.index(min(load))
+        per_rank[r].append(i)
+        load[r] += lengths[i]
+    plans = []
+    for rows in per_rank:
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in rows:
+            fit = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+            if fit is None:
+                bins.append([])
+                room.append(max_tokens)
+                fit = len(bins) - 1
+            bins[fit].append(i)
+            room[fit] -= lengths[i]
+        plans.append(bins)
+    count = max(1, max(len(p) for p in plans))
+    return [p + [[] for _ in range(count - len(p))] for p in plans]
+
+
+def collate_rows(samples: list[dict], pad_to_multiple: int, device) -> dict:
+    """Concatenate rows into one THD micro-batch [1, T] with cu_seqlens; an empty list gives a 1-token pad row."""
+    if not samples:
+        samples = [{name: [0] if name in ("tokens", "labels", "position_ids") else [0.0] for name in TOKEN_FIELDS}]
+    lengths = [len(s["tokens"]) for s in samples]
+    pad = (-sum(lengths)) % pad_to_multiple
+    batch = {}
+    for name in TOKEN_FIELDS:
+        values = [v for s in samples for v in s[name]] + [0] * pad
+        dtype = torch.long if name in ("tokens", "labels", "position_ids") else torch.float32
+        batch[name] = torch.tensor(values, dtype=dtype, device=device).unsqueeze(0)
+    bounds = torch.tensor([0, *lengths, *([pad] if pad else [])]).cumsum(0).to(torch.int32)
+    batch["cu_seqlens"] = bounds.to(device)
+    batch["max_seqlen"] = max(lengths + [pad])
+    return batch
+
+
+def _policy_output_processor(loss_config: PolicyLossConfig, batch: dict, *, hidden_states, output_layer,
+                             output_weight, config, **_):
+    if config.sequence_parallel:
+        hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+    weight = output_weight if output_weight is not None else output_layer.weight
+    hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1])
+    flat = {k: batch[k].reshape(-1) for k in TOKEN_FIELDS}
+    loss_sum, metrics = fused_linear_policy_loss(
+        hidden, weight, flat["labels"], flat["loss_mask"].to(hidden.dtype), flat["old_logprobs"], flat["advantages"],
+        teacher_logprobs=flat["teacher_logprobs"] if loss_config.csd_alpha else None,
+        csd_alpha=loss_config.csd_alpha, csd_beta=loss_config.csd_beta, clip_eps_low=loss_config.clip_eps_low,
+        clip_eps_high=loss_config.clip_eps_high, dual_clip_c=loss_config.dual_clip_c, normalizer=1.0,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+    )
+    return loss_sum, metrics
+
+
+def _forward_step(loss_config, data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed_seq_params(batch),
+                   output_processor=partial(_policy_output_processor, loss_config, batch))
+
+    def loss_func(result):
+        loss_sum, metrics = result
+        tokens = batch["loss_mask"].sum()
+        logged = {"pg loss": torch.stack([loss_sum.detach().clone().float(), tokens.float()])}
+        for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate"):
+            if name in metrics:  # per-micro-batch means, weighted by tokens when reduced
+                logged[name] = torch.stack([metrics[name].detach().float() * tokens, tokens.float()])
+        return loss_sum, tokens.to(torch.int), logged
+
+    return output, loss_func
+
+
+def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], advantages: list[float],
+                  loss_config: PolicyLossConfig, max_tokens_per_microbatch: int, device,
+                  teacher_logprobs: list[list[float]] | None = None) -> dict:
+    """One optimizer step on ``rows``; collective over all ranks, which must pass identical rows. Returns the
+    step's token-mean loss and metrics (on every rank) and the optimizer's grad norm."""
+    samples = [row_sample(r, a, teacher_logprobs[i] if teacher_logprobs else None)
+               for i, (r, a) in enumerate(zip(rows, advantages, strict=True))]
+    plan = plan_microbatches([len(s["tokens"]) for s in samples],
+                             parallel_state.get_data_parallel_world_size(), max_tokens_per_microbatch)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pad_to = tp if model_chunks[0].config.sequence_parallel else 1
+    mine = plan[parallel_state.get_data_parallel_rank()]
+    batches = [collate_rows([samples[i] for i in mb], pad_to, device) for mb in mine]
+    for m in model_chunks:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    chunks = len(model_chunks)
+    iterators = [iter(batches) for _ in range(chunks)] if chunks > 1 else iter(batches)
+    seq_length = max(b["tokens"].shape[1] for b in batches)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        model_chunks[0].config.variable_seq_lengths = True  # packed micro-batches differ in length
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_config), data_iterator=iterators, model=model_chunks,
+        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1, forward_only=False,
+    )
+    reduced = _reduce(losses, device)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    return {**reduced, "grad_norm": grad_norm, "update_applied": bool(ok), "microbatches": len(batches)}
+
+
+def _reduce(losses: list[dict], device) -> dict:
+    """Token-weighted means over micro-batches, shared by the last pipeline stage with all data-parallel ranks."""
+    import torch.distributed as dist
+
+    names = ("pg loss", "clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate")
+    totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    for item in losses:
+        for k, name in enumerate(names):
+            if name in item:
+                totals[k] += item[name].to(totals)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return {name.replace(" ", "_"): (totals[k, 0] / totals[k, 1]).item()
+            for k, name in enumerate(names) if totals[k, 1] > 0}

@@ -1,0 +1,143 @@
+"""Test doubles for rollouts: a tokenizer whose ids can be written by hand, an engine that replays canned texts,
+a counterpart that records what it was shown, and a tiny OpenAI-compatible HTTP server on 127.0.0.1.
+
+Tokenizer ids: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>, 3 <think>, 4 </think>, then one id per character
+of ``CHARS`` from 5 on (BPE without merges encodes every character as its own token), so ``ids("hi")`` is exact.
+"""
+
+import json
+import string
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tokenizers import AddedToken, Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from megatron_mimesis.rl.counterparts import CounterpartReply
+from megatron_mimesis.rl.types import Generation, SamplingParams
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+EOT, IM_START, IM_END, THINK, END_THINK = range(5)
+CHARS = "\n " + string.ascii_letters + string.digits + "?.,!'<>|/_:"
+VOCAB = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARS])}
+
+
+def ids(text: str) -> list[int]:
+    return [VOCAB[c] for c in text]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE(vocab=VOCAB, merges=[]))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def logprobs_for(n: int) -> list[float]:
+    """The log-probs ``ScriptedEngine`` reports for a generation of ``n`` tokens."""
+    return [-(j + 1) / 8 for j in range(n)]
+
+
+class ScriptedEngine:
+    """Replays ``texts[k]`` on the k-th ``generate`` call, which must bring exactly that many prompts.
+
+    A generation's ids are its text encoded with special tokens (as a model would sample them) plus <|im_end|>."""
+
+    def __init__(self, tokenizer, texts: list[list[str]]):
+        self.tokenizer = tokenizer
+        self.texts = texts
+        self.calls: list[tuple[list[list[int]], SamplingParams]] = []
+        self.sleeps = 0
+        self.wakes = 0
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        texts = self.texts[len(self.calls)]
+        assert len(prompts) == len(texts), f"call {len(self.calls)}: {len(prompts)} prompts, {len(texts)} scripted"
+        self.calls.append(([list(p) for p in prompts], sampling))
+        generations = []
+        for text in texts:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False) + [IM_END]
+            generations.append(Generation(token_ids, text, logprobs_for(len(token_ids)), "stop"))
+        return generations
+
+    def sleep(self) -> None:
+        self.sleeps += 1
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+
+class RecordingCounterpart:
+    """Answers with ``fn(transcript) -> CounterpartReply`` and records every batch it was asked to answer."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.batches: list[list[list[dict]]] = []
+
+    def reply_many(self, transcripts: list[list[dict]]) -> list[CounterpartReply]:
+        self.batches.append(transcripts)
+        return [self.fn(t) for t in transcripts]
+
+
+class FakeOpenAIServer:
+    """``POST /v1/chat/completions`` on an ephemeral port. It answers ``reply(messages)`` after first failing with
+    the statuses in ``failures`` (one per request, with retry-after-ms: 1 so retries are quick), records every
+    request body, and fails every request with 500 when ``broken``."""
+
+    def __init__(self, reply=lambda messages: "ok " + messages[-1]["content"]):
+        self.reply = reply
+        self.requests: list[dict] = []
+        self.failures: list[int] = []
+        self.broken = False
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self) -> "FakeOpenAIServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    def _answer(self, body: dict) -> tuple[int, dict]:
+        with self.lock:
+            self.requests.append(body)
+            status = 500 if self.broken else (self.failures.pop(0) if self.failures else 200)
+        if status != 200:
+            return status, {"error": {"message": "scripted failure", "type": "server_error"}}
+        content = self.reply(body["messages"])
+        return 200, {
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, payload = fake._answer(body) if self.path == "/v1/chat/completions" else (404, {})
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("retry-after-ms", "1")
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
