@@ -18,8 +18,8 @@ class _Decoder:
         return " ".join(map(str, ids))
 
 
-def _engine(hf_state, parallel=ParallelConfig()):
-    model, _, _ = build_megatron_from_hf(hf_state, parallel)
+def _engine(hf_state, parallel=None):
+    model, _, _ = build_megatron_from_hf(hf_state, parallel or ParallelConfig())
     return LocalEngine(model, _Decoder(), PRESET.vocab_size, torch.device("cpu"))
 
 

@@ -34,7 +34,7 @@ def _with_old_logprobs(model, rows, seed=1):
         start = len(r.context_ids) - 1
         current = [logp[start + k, t].item() for k, t in enumerate(r.response_ids)]
         shift = (torch.rand(len(current), generator=g) - 0.5).tolist()
-        out.append(TrainingRow(**{**r.__dict__, "response_logprobs": [c + s for c, s in zip(current, shift)]}))
+        out.append(TrainingRow(**{**r.__dict__, "response_logprobs": [c + s for c, s in zip(current, shift, strict=True)]}))
     return out
 
 
