@@ -1,6 +1,33 @@
 import os
 
+import pytest
+import torch
+
+from tests.training.conftest import SEQ_LENGTH, VOCAB
+
 # Triton kernels run on the CPU through the interpreter; set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile'd pieces of megatron-core (e.g. the gated norm) compile once per test session, not per test.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    from data_prep.midtrain import build
+
+    out = tmp_path_factory.mktemp("data") / "chitchat-tiny"
+    build(output=str(out), seq_length=SEQ_LENGTH, max_conversations=300, vocab_size=VOCAB, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    from transformers import Qwen3_5ForCausalLM
+
+    from megatron_mimesis.models.presets import get_preset
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(get_preset("tiny").replace(vocab_size=VOCAB).to_hf_config())
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    model.save_pretrained(out)
+    return out

@@ -108,6 +108,14 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         """Every check that needs no process group; raises ConfigError with a one-line reason."""
+        self.validate_model_and_optimizer(world_size)
+        if self.data_path is None:
+            raise ConfigError("data_path: no dataset given (a data_prep output directory)")
+        if not Path(self.data_path).exists():
+            raise ConfigError(f"data_path: {self.data_path} does not exist")
+
+    def validate_model_and_optimizer(self, world_size: int) -> None:
+        """The checks every stage shares (the RL stages add their own on top)."""
         if self.model not in PRESETS:
             raise ConfigError(f"model: unknown preset {self.model!r}; choose one of {sorted(PRESETS)}")
         try:
@@ -147,12 +155,8 @@ class TrainConfig:
             raise ConfigError(f"ckpt_format must be torch_dist, not {self.ckpt_format!r}")
         if self.save_interval and not self.save:
             raise ConfigError("save_interval is set but save (the checkpoint directory) is not")
-        if self.data_path is None:
-            raise ConfigError("data_path: no dataset given (a data_prep output directory)")
-        for name in ("data_path", "pretrained_hf"):
-            value = getattr(self, name)
-            if value is not None and not Path(value).exists():
-                raise ConfigError(f"{name}: {value} does not exist")
+        if self.pretrained_hf is not None and not Path(self.pretrained_hf).exists():
+            raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
         if self.load:
             from megatron_mimesis.models.dist_ckpt_reader import CheckpointError, read_latest
 
@@ -185,38 +189,37 @@ class TrainConfig:
 
 
 def _flag_type(annotation):
-    """argparse type for a field annotation (``int | None`` -> int)."""
+    """argparse type for a field annotation (``int | None`` -> int, ``list[str]`` -> list)."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         annotation = args[0]
-    return annotation
+    return typing.get_origin(annotation) or annotation
 
 
-def build_arg_parser() -> argparse.ArgumentParser:
+def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mimesis.training.train",
+                     description: str = "User-side mid-training / thought-supervised SFT of Qwen3.5 on megatron-core."
+                     ) -> argparse.ArgumentParser:
     """``--config FILE`` plus one Megatron-style flag per field (``--tensor-model-parallel-size 2``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron_mimesis.training.train",
-        description="User-side mid-training / thought-supervised SFT of Qwen3.5 on megatron-core.",
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file of options; flags given here override it")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        elif kind is dict:
-            parser.add_argument(flag, dest=f.name, type=json.loads, default=None, help="JSON object")
+        elif kind in (dict, list):
+            parser.add_argument(flag, dest=f.name, type=json.loads, default=None, help=f"JSON {kind.__name__}")
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=None)
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    args = build_arg_parser().parse_args(argv)
-    config = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+def parse_config(argv: list[str] | None = None, config_cls=TrainConfig, **parser_kwargs):
+    args = build_arg_parser(config_cls, **parser_kwargs).parse_args(argv)
+    config = config_cls.from_yaml(args.config) if args.config else config_cls()
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)
                  if getattr(args, f.name) is not None}
     if "model_overrides" in overrides:
         overrides["model_overrides"] = {**config.model_overrides, **overrides["model_overrides"]}

@@ -44,14 +44,19 @@ def check_data(config: TrainConfig) -> dict:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, manifest: dict):
+    """Process groups, model chunks, optimizer and schedule of one run; ``run`` is the supervised loop.
+
+    The RL stages reuse the construction (and the checkpointing) with their own loop.
+    """
+
+    def __init__(self, config: TrainConfig, tokenizer_dir: str | Path):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from megatron_mimesis.compat import compute_device, enable_cpu_compat
 
         self.config = config
-        self.manifest = manifest
+        self.tokenizer_dir = tokenizer_dir
         cpu = enable_cpu_compat()
         if not dist.is_initialized():
             dist.init_process_group("gloo" if cpu else "nccl")
@@ -292,7 +297,7 @@ class Trainer:
 
     def _save(self, save_checkpoint, run_config, progress):
         save_checkpoint(self.config.save, progress["iteration"], self.model, self.optimizer, self.scheduler,
-                        dict(progress), run_config, tokenizer_dir=self.manifest["tokenizer"]["path"])
+                        dict(progress), run_config, tokenizer_dir=self.tokenizer_dir)
 
 
 def _max_memory_gb() -> float | None:
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
 
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config, manifest)
+    trainer = Trainer(config, manifest["tokenizer"]["path"])
     try:
         status = trainer.run()
     except CheckpointError as exc:
