@@ -7,13 +7,14 @@
 # Arguments are trainer flags (passed through); `--dry-run` anywhere prints the launch command, the
 # environment and the trainer's resolved config, and starts nothing.
 #
-# Caller sets: STAGE, PAPER_CONFIG, DEMO_CONFIG, DEMO_RUN_DIR, DEMO_PREP_ARGS (array), DEMO_NEEDS (array of
-# paths the demo needs, with DEMO_NEEDS_HINT saying how to make them).
+# Caller sets: STAGE, PAPER_CONFIG, DEMO_CONFIG, DEMO_RUN_DIR, DEMO_PREP_ARGS (array; empty: the stage builds no
+# demo data), DEMO_NEEDS (array of paths the demo needs, with DEMO_NEEDS_HINT saying how to make them), and
+# optionally TRAIN_MODULE (the entry module; default the trainer) and DEMO_PLOT_ARGS (array for tools/plot_run.py).
 # Environment overrides: CONFIG, PYTHON, NPROC, NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT,
 # DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TRAIN_MODULE=megatron_mimesis.training.train
+TRAIN_MODULE="${TRAIN_MODULE:-megatron_mimesis.training.train}"
 
 die() {
   echo "error: $*" >&2
@@ -138,6 +139,7 @@ run_demo_data() {
   for needed in "${DEMO_NEEDS[@]}"; do
     [[ -e "$needed" ]] || die "$needed is missing; $DEMO_NEEDS_HINT"
   done
+  ((${#DEMO_PREP_ARGS[@]} > 0)) || return 0
   local output=()
   if [[ -n "${DATA_PATH:-}" ]]; then output=(--output "$DATA_PATH"); fi
   echo "== building the embedded $STAGE dataset (reused when unchanged)"
@@ -146,7 +148,7 @@ run_demo_data() {
 
 report_demo() {
   local metrics="$DEMO_RUN_DIR/metrics.jsonl" plot="$DEMO_RUN_DIR/loss.png"
-  "$PYTHON" tools/plot_run.py "$metrics" -o "$plot" >/dev/null
+  "$PYTHON" tools/plot_run.py "$metrics" -o "$plot" "${DEMO_PLOT_ARGS[@]}" >/dev/null
   echo "== demo $STAGE finished"
   echo "logs:        $metrics (TensorBoard: $DEMO_RUN_DIR)"
   if [[ -e "$DEMO_RUN_DIR/checkpoints/latest" ]]; then echo "checkpoint:  $DEMO_RUN_DIR/checkpoints"; fi

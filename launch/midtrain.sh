@@ -14,6 +14,7 @@ DEMO_RUN_DIR=runs/demo-midtrain
 DEMO_PREP_ARGS=(--seq-length 256 --vocab-size 8192)
 DEMO_NEEDS=()
 DEMO_NEEDS_HINT=""
+DEMO_PLOT_ARGS=()
 
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

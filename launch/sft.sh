@@ -14,6 +14,7 @@ DEMO_RUN_DIR=runs/demo-sft
 DEMO_PREP_ARGS=(--seq-length 256 --tokenizer .cache/data/chitchat-midtrain/tokenizer)
 DEMO_NEEDS=(.cache/data/chitchat-midtrain/tokenizer runs/demo-midtrain/checkpoints/latest)
 DEMO_NEEDS_HINT="run bash launch/midtrain.sh first (the SFT demo fine-tunes its checkpoint)"
+DEMO_PLOT_ARGS=()
 
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

@@ -41,7 +41,7 @@ def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot(records: list[dict], out: Path, title: str) -> None:
+def plot(records: list[dict], out: Path, title: str, metric: str = "loss", speed: str = "tokens_per_sec") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,14 +50,14 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     train = [r for r in records if r.get("split", "train") == "train"]
     valid = [r for r in records if r.get("split") == "valid"]
     fig, (loss_ax, speed_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    loss_ax.plot(*_series(train, "loss"), label="train")
+    loss_ax.plot(*_series(train, metric), label="train")
     if valid:
-        loss_ax.plot(*_series(valid, "loss"), "o-", label="valid")
-    loss_ax.set_ylabel("loss")
+        loss_ax.plot(*_series(valid, metric), "o-", label="valid")
+    loss_ax.set_ylabel(metric)
     loss_ax.legend()
     loss_ax.set_title(title)
-    speed_ax.plot(*_series(train, "tokens_per_sec"), color="tab:green")
-    speed_ax.set_ylabel("tokens / s")
+    speed_ax.plot(*_series(train, speed), color="tab:green")
+    speed_ax.set_ylabel(speed)
     speed_ax.set_xlabel("iteration")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot loss and throughput from a metrics.jsonl.")
     parser.add_argument("metrics", type=Path, help="the trainer's <log_dir>/metrics.jsonl")
     parser.add_argument("-o", "--output", type=Path, help="PNG to write (default: loss.png next to the metrics)")
+    parser.add_argument("--metric", default="loss", help="record key for the top panel (RL runs: reward_mean)")
+    parser.add_argument("--speed", default="tokens_per_sec", help="record key for the bottom panel (RL: rollout_time_s)")
     args = parser.parse_args(argv)
     out = args.output or args.metrics.with_name("loss.png")
     try:
-        plot(read_records(args.metrics), out, title=str(args.metrics.parent))
+        plot(read_records(args.metrics), out, title=str(args.metrics.parent), metric=args.metric, speed=args.speed)
     except PlotError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

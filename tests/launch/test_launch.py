@@ -140,3 +140,19 @@ def test_sigusr1_is_forwarded_and_the_job_requeued(fake):
     assert proc.returncode == 0, stderr
     assert (log / "srun_signals").read_text().split() == ["USR1"]
     assert (log / "scontrol").read_text().split() == ["requeue", str(JOB_ID)]
+
+
+def test_rl_simulator_dry_run_runs_the_rl_entry_point(fake):
+    tmp_path, env = fake
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    config = tmp_path / "rl.yaml"
+    config.write_text(f"model: tiny\ntensor_model_parallel_size: 2\ntokenizer: {tokenizer}\n"
+                      "prompts: [launch/configs/toy_rl_prompts.jsonl]\ndomain_rewards: {brief: length_target}\n"
+                      "counterpart: scripted\ncounterpart_options: {reply: ok}\nprompts_per_step: 4\n")
+    result = run("rl_simulator.sh", ["--dry-run", "--rollouts-per-prompt", "8"], {**env, "CONFIG": str(config)})
+    assert result.returncode == 0, result.stderr
+    assert f"-m megatron_mimesis.rl.simulator_rl --config {config} --rollouts-per-prompt 8" in result.stdout
+    resolved = trainer_json(result.stdout)
+    assert resolved["rollouts_per_step"] == 32 and resolved["config"]["tensor_model_parallel_size"] == 2
