@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from megatron_mimesis.kernels import foldgrpo_advantages
+
 from megatron_mimesis.rl.episodes import fold_rows
 from megatron_mimesis.rl.types import Episode, PolicyTurn
 
