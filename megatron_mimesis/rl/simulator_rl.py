@@ -186,8 +186,13 @@ class SimulatorRL:
             log.step({"iteration": it, **record})
             if c.save and c.save_interval and it % c.save_interval == 0:
                 save()
+            stop = None
             if exit_signal is not None and exit_signal.any_rank_received():
-                log.message(f"exit signal received at iteration {it}: saving and exiting for requeue")
+                stop = f"exit signal received at iteration {it}: saving and exiting for requeue"
+            elif c.exit_interval and it % c.exit_interval == 0 and it < c.train_iters:
+                stop = f"exit_interval reached at iteration {it}: saving and exiting"
+            if stop:
+                log.message(stop)
                 if c.save and not (c.save_interval and it % c.save_interval == 0):
                     save()
                 break
