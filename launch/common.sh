@@ -172,6 +172,7 @@ launch() {
   if [[ -z "${CONFIG:-}" ]]; then
     if ((!in_slurm && gpus == 0)); then CONFIG="$DEMO_CONFIG"; else CONFIG="$PAPER_CONFIG"; fi
   fi
+  [[ -n "$CONFIG" ]] || die "set CONFIG=<your $STAGE config.yaml> (this stage ships no paper-scale config yet)"
   [[ -f "$CONFIG" ]] || die "CONFIG=$CONFIG: no such file"
   if [[ "$CONFIG" == "$DEMO_CONFIG" && $in_slurm == 0 ]]; then demo=1; fi
   add_env_flags

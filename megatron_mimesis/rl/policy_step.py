@@ -157,10 +157,11 @@ def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], a
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1, forward_only=False,
     )
     reduced = _reduce(losses, device)
+    lr = optimizer.param_groups[0]["lr"]
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
-    return {**reduced, "grad_norm": grad_norm, "update_applied": bool(ok), "microbatches": len(batches)}
+    return {**reduced, "lr": lr, "grad_norm": grad_norm, "update_applied": bool(ok), "microbatches": len(batches)}
 
 
 def _reduce(losses: list[dict], device) -> dict:

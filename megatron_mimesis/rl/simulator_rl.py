@@ -158,20 +158,20 @@ class SimulatorRL:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
-        from megatron_mimesis.training.checkpointing import current_layout, load_checkpoint, save_checkpoint
+        from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
 
         c = self.config
-        progress = {"iteration": 0, "sampler": self.sampler.state_dict()}
-        if c.load:
-            progress = load_checkpoint(c.load, self.trainer.model, self.trainer.optimizer, self.trainer.scheduler,
-                                       vars(c.preset))
-            self.sampler.load_state_dict(progress["sampler"])
+        progress = self.trainer.restore({"iteration": 0, "sampler": self.sampler.state_dict()})
+        if "sampler" not in progress:
+            raise ConfigError(f"load: {c.load} is not a simulator-RL checkpoint; start from it with --finetune")
+        self.sampler.load_state_dict(progress["sampler"])
         run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.trainer.provider.padded_vocab_size}
         log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
-                     progress=c.progress, wandb_project=c.wandb_project, run_config=run_config)
+                     progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,
+                     headline=("reward_mean", "pg_loss", "lr"))
         exit_signal = ExitSignal() if c.exit_signal_handler else None
 
         def save():
@@ -252,17 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                           "data_parallel_size": config.data_parallel_size(world_size),
                           "rollouts_per_step": config.prompts_per_step * config.rollouts_per_prompt}, indent=2))
         return 0
-    from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
+    from megatron_mimesis.training.train import run_to_completion
 
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    try:
-        status = SimulatorRL(config).run()
-    except (ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    dist.barrier()
-    dist.destroy_process_group()
-    return status
+    return run_to_completion(lambda: SimulatorRL(config).run())
 
 
 if __name__ == "__main__":

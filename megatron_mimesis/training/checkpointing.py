@@ -185,7 +185,11 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset
                                 rng=restore_rng and same_layout)
     loaded = dist_checkpointing.load(state, str(path))
     _load_model(model_chunks, loaded)
-    optimizer.load_state_dict(loaded["optimizer"])
+    try:
+        optimizer.load_state_dict(loaded["optimizer"])
+    except KeyError as exc:  # megatron keys parameter groups by their hyperparameters
+        raise CheckpointError(f"{path}: optimizer parameter groups differ from the checkpoint's ({exc}): resume "
+                              f"with the optimizer settings it was saved with, or start from it with --finetune") from None
     _unshare_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if "rng_state" in loaded:

@@ -10,8 +10,10 @@ from tqdm import tqdm
 
 class RunLog:
     def __init__(self, log_dir: str | Path, total_iters: int, start_iter: int, *, enabled: bool,
-                 progress: bool = True, wandb_project: str | None = None, run_config: dict | None = None):
+                 progress: bool = True, wandb_project: str | None = None, run_config: dict | None = None,
+                 headline: tuple[str, ...] = ("loss", "lr")):
         self.enabled = enabled
+        self.headline = headline  # record keys shown on the progress bar
         self.dir = Path(log_dir)
         self._jsonl = self._tb = self._wandb = self._bar = None
         if not enabled:
@@ -44,8 +46,7 @@ class RunLog:
             self._wandb.log({prefix + k: v for k, v in clean.items() if k != "split"}, step=iteration)
         if self._bar is not None and record.get("split") != "valid":
             self._bar.update(iteration - self._bar.n)
-            loss = record.get("loss")
-            self._bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "nan", lr=f"{record.get('lr', 0):.2e}")
+            self._bar.set_postfix({k: _short(record.get(k)) for k in self.headline})
 
     def message(self, text: str) -> None:
         if self.enabled:
@@ -59,3 +60,7 @@ class RunLog:
                 closer.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _short(value) -> str:
+    return f"{value:.4g}" if isinstance(value, int | float) else "-"

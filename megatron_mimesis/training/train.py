@@ -219,24 +219,28 @@ class Trainer:
         return sum(loss * t for loss, t in sums) / max(tokens, 1)
 
     # ------------------------------------------------------------------ the run
+    def restore(self, fresh: dict) -> dict:
+        """Where a run starts: ``load`` + ``finetune`` takes the weights only (and ``fresh`` progress), ``load``
+        alone resumes everything the checkpoint saved, otherwise ``fresh``."""
+        from megatron_mimesis.training.checkpointing import load_checkpoint, load_model_weights
+
+        c = self.config
+        if c.load and c.finetune:
+            load_model_weights(c.load, self.model, vars(c.preset))
+            self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
+            return fresh
+        if c.load:
+            return load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+        return fresh
+
     def run(self) -> int:
-        from megatron_mimesis.training.checkpointing import (
-            current_layout,
-            load_checkpoint,
-            load_model_weights,
-            save_checkpoint,
-        )
+        from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
         from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
 
         c = self.config
-        progress = {"iteration": 0, "consumed_samples": 0, "skipped_iters": 0}
-        if c.load and c.finetune:
-            load_model_weights(c.load, self.model, vars(c.preset))
-            self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
-        elif c.load:
-            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+        progress = self.restore({"iteration": 0, "consumed_samples": 0, "skipped_iters": 0})
         self._data(progress["consumed_samples"])
         run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.provider.padded_vocab_size}
@@ -320,13 +324,18 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         print(json.dumps(resolved, indent=2))
         return 0
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    return run_to_completion(lambda: Trainer(config, manifest["tokenizer"]["path"]).run())
+
+
+def run_to_completion(run) -> int:
+    """Run a loop on every rank and close the process groups; a configuration or checkpoint problem that only
+    shows once the run is set up (a checkpoint of another model, say) exits 2 with its one-line reason."""
     from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
 
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config, manifest["tokenizer"]["path"])
     try:
-        status = trainer.run()
-    except CheckpointError as exc:
+        status = run()
+    except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     dist.barrier()

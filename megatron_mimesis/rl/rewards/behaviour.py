@@ -11,11 +11,10 @@ counted), never a guessed score, so a drifting judge shows up in the counters in
 
 import json
 import re
-import threading
 
 from megatron_mimesis.rl.prompts import PromptRecord
 from megatron_mimesis.rl.rewards.judge import JudgeClient
-from megatron_mimesis.rl.rewards.registry import RewardResult, register
+from megatron_mimesis.rl.rewards.registry import RewardResult, ThreadSafeCounters, register
 from megatron_mimesis.rl.types import Episode
 
 WEIGHTS = {"e": 2.0, "p": 1.5, "n": 1.0, "c": 0.5}
@@ -105,17 +104,11 @@ class BehaviourReward:
 
     def __init__(self, judge: JudgeClient):
         self.judge = judge
-        self._lock = threading.Lock()
-        self._counters = {"scored": 0, "judge_failures": 0, "parse_failures": 0, "invalid_inputs": 0}
+        self._counters = ThreadSafeCounters("scored", "judge_failures", "parse_failures", "invalid_inputs")
 
     @property
     def counters(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counters)
-
-    def _count(self, key: str) -> None:
-        with self._lock:
-            self._counters[key] += 1
+        return self._counters.snapshot()
 
     def score(self, episode: Episode, prompt: PromptRecord) -> RewardResult:
         return self.score_batch([episode], [prompt])[0]
@@ -131,7 +124,7 @@ class BehaviourReward:
             else:
                 asked.append(i)
                 continue
-            self._count("invalid_inputs")
+            self._counters.add("invalid_inputs")
             results[i] = RewardResult(None, error=error)
         replies = self.judge.score_many([judge_messages(episodes[i], prompts[i]) for i in asked])
         for i, reply in zip(asked, replies, strict=True):
@@ -140,14 +133,14 @@ class BehaviourReward:
 
     def _result(self, text: str | None, error: str | None, cached: bool) -> RewardResult:
         if text is None:
-            self._count("judge_failures")
+            self._counters.add("judge_failures")
             return RewardResult(None, {"judge_cached": cached}, f"judge: {error}")
         try:
             verdict = parse_verdict(text)
         except VerdictError as err:
-            self._count("parse_failures")
+            self._counters.add("parse_failures")
             return RewardResult(None, {"judge_reply": text, "judge_cached": cached}, f"unparseable verdict: {err}")
-        self._count("scored")
+        self._counters.add("scored")
         return RewardResult(behaviour_reward(**verdict), {**verdict, "judge_cached": cached})
 
 

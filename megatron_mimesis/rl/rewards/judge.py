@@ -18,6 +18,8 @@ from pathlib import Path
 
 import openai
 
+from megatron_mimesis.rl.rewards.registry import ThreadSafeCounters
+
 _RETRYABLE = (openai.APIConnectionError, openai.InternalServerError, openai.RateLimitError)  # timeouts included
 _TEMPERATURE = 0.0
 
@@ -61,17 +63,11 @@ class JudgeClient:
             timeout=timeout_s,
             max_retries=0,
         )
-        self._lock = threading.Lock()
-        self._counters = {"requests": 0, "cache_hits": 0, "retries": 0, "failures": 0}
+        self._counters = ThreadSafeCounters("requests", "cache_hits", "retries", "failures")
 
     @property
     def counters(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counters)
-
-    def _count(self, key: str) -> None:
-        with self._lock:
-            self._counters[key] += 1
+        return self._counters.snapshot()
 
     def _cache_path(self, messages: list[dict]) -> Path | None:
         if self.cache_dir is None:
@@ -98,15 +94,15 @@ class JudgeClient:
         os.replace(tmp, path)
 
     def _ask(self, messages: list[dict]) -> JudgeReply:
-        self._count("requests")
+        self._counters.add("requests")
         path = self._cache_path(messages)
         cached = self._read_cache(path)
         if cached is not None:
-            self._count("cache_hits")
+            self._counters.add("cache_hits")
             return JudgeReply(cached, None, True)
         for attempt in range(self.max_retries + 1):
             if attempt:
-                self._count("retries")
+                self._counters.add("retries")
                 time.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
             try:
                 response = self._client.chat.completions.create(
@@ -116,15 +112,15 @@ class JudgeClient:
                 error = f"{type(e).__name__}: {e}"
                 continue
             except openai.OpenAIError as e:
-                self._count("failures")
+                self._counters.add("failures")
                 return JudgeReply(None, f"{type(e).__name__}: {e}", False)
             text = response.choices[0].message.content if response.choices else None
             if not text:
-                self._count("failures")
+                self._counters.add("failures")
                 return JudgeReply(None, "judge returned no text", False)
             self._write_cache(path, text)
             return JudgeReply(text, None, False)
-        self._count("failures")
+        self._counters.add("failures")
         return JudgeReply(None, f"gave up after {self.max_retries + 1} attempts: {error}", False)
 
     def score_many(self, requests: list[list[dict]]) -> list[JudgeReply]:

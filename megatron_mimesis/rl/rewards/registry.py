@@ -5,6 +5,7 @@ failed (no answer to grade, judge down, unparseable verdict); such episodes are 
 counted, never given a made-up number.
 """
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,3 +60,19 @@ def rewards_for(domains_to_names: dict[str, str], options: dict[str, dict] | Non
         raise ValueError(f"options given for rewards no domain uses: {unused}")
     instances = {name: get_reward(name)(**options.get(name, {})) for name in sorted(set(domains_to_names.values()))}
     return {domain: instances[name] for domain, name in domains_to_names.items()}
+
+
+class ThreadSafeCounters:
+    """Named event counts bumped from worker threads (concurrent judge requests); read as a plain dict."""
+
+    def __init__(self, *names: str):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(names, 0)
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
