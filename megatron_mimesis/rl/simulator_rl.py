@@ -161,6 +161,7 @@ class SimulatorRL:
         from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
+        from megatron_mimesis.training.train import save_and_maybe_stop, save_final
 
         c = self.config
         progress = self.trainer.restore({"iteration": 0, "sampler": self.sampler.state_dict()})
@@ -184,21 +185,10 @@ class SimulatorRL:
             progress["iteration"] += 1
             it = progress["iteration"]
             log.step({"iteration": it, **record})
-            if c.save and c.save_interval and it % c.save_interval == 0:
-                save()
-            stop = None
-            if exit_signal is not None and exit_signal.any_rank_received():
-                stop = f"exit signal received at iteration {it}: saving and exiting for requeue"
-            elif c.exit_interval and it % c.exit_interval == 0 and it < c.train_iters:
-                stop = f"exit_interval reached at iteration {it}: saving and exiting"
-            if stop:
-                log.message(stop)
-                if c.save and not (c.save_interval and it % c.save_interval == 0):
-                    save()
+            if save_and_maybe_stop(c, it, exit_signal, log, save):
                 break
         else:
-            if c.save and (not c.save_interval or progress["iteration"] % c.save_interval):
-                save()
+            save_final(c, progress["iteration"], save)
         log.close()
         return 0
 

@@ -281,27 +281,40 @@ class Trainer:
                 break
             if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
                 log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
-            if c.save and c.save_interval and it % c.save_interval == 0:
-                save(progress)
-            stop = None
-            if exit_signal is not None and exit_signal.any_rank_received():
-                stop = f"exit signal received at iteration {it}: saving and exiting for requeue"
-            elif c.exit_interval and it % c.exit_interval == 0 and it < c.train_iters:
-                stop = f"exit_interval reached at iteration {it}: saving and exiting"
-            if stop:
-                log.message(stop)
-                if c.save and not (c.save_interval and it % c.save_interval == 0):
-                    save(progress)
+            if save_and_maybe_stop(c, it, exit_signal, log, lambda: save(progress)):
                 break
         else:
-            if c.save and (not c.save_interval or progress["iteration"] % c.save_interval):
-                save(progress)
+            save_final(c, progress["iteration"], lambda: save(progress))
         log.close()
         return status
 
     def _save(self, save_checkpoint, run_config, progress):
         save_checkpoint(self.config.save, progress["iteration"], self.model, self.optimizer, self.scheduler,
                         dict(progress), run_config, tokenizer_dir=self.tokenizer_dir)
+
+
+def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> bool:
+    """End of a step in any stage's loop: the periodic checkpoint, then a stop (saved first) on a preemption
+    signal or at ``exit_interval``. Returns whether the loop must stop."""
+    saved = bool(config.save and config.save_interval and iteration % config.save_interval == 0)
+    if saved:
+        save()
+    stop = None
+    if exit_signal is not None and exit_signal.any_rank_received():
+        stop = f"exit signal received at iteration {iteration}: saving and exiting for requeue"
+    elif config.exit_interval and iteration % config.exit_interval == 0 and iteration < config.train_iters:
+        stop = f"exit_interval reached at iteration {iteration}: saving and exiting"
+    if stop:
+        log.message(stop)
+        if config.save and not saved:
+            save()
+    return stop is not None
+
+
+def save_final(config, iteration: int, save) -> None:
+    """The checkpoint of a finished run, unless the periodic one just wrote it."""
+    if config.save and (not config.save_interval or iteration % config.save_interval):
+        save()
 
 
 def _max_memory_gb() -> float | None:
