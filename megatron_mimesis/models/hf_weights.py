@@ -11,9 +11,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mimesis.models.mapping import (
+    Replicated,
     for_gradients,
     localize_layer_names,
-    megatron_to_hf,
     qwen35_mapping,
 )
 from megatron_mimesis.models.presets import Qwen35Preset
@@ -58,8 +58,10 @@ def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Qwen35P
             param.copy_(shard)
 
 
-def gather_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full HF tensors of the layers this pipeline stage holds, gathered over the TP group (every TP rank gets them).
+def iter_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False):
+    """Yield ``(hf_name, full tensor)`` for the layers this pipeline stage holds, one mapping entry at a time:
+    each entry's TP shards are all-gathered (collective over the TP group, every TP rank gets the tensors), so
+    memory stays at one parameter's full size. This is what weight sync to an inference engine streams.
 
     With ``grads`` the parameters' gradients (megatron DDP's ``main_grad`` when present) instead of their values.
     """
@@ -68,15 +70,22 @@ def gather_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: 
         table = for_gradients(table)
     names = _stage_names(model, table)
     params = dict(model.named_parameters())
-
-    def value(param):
-        if not grads:
-            return param.detach()
-        grad = getattr(param, "main_grad", None)
-        return (grad if grad is not None else param.grad).detach()
-
-    local = {g: value(params[n]) for g, n in names.items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    shards = [None] * dist.get_world_size(tp_group)
-    dist.all_gather_object(shards, local, group=tp_group)
-    return megatron_to_hf(shards, [m for m in table if m.megatron in names])
+    tp = dist.get_world_size(tp_group)
+    for entry in table:
+        if entry.megatron not in names:
+            continue
+        param = params[names[entry.megatron]]
+        local = (param.main_grad if grads and getattr(param, "main_grad", None) is not None
+                 else param.grad if grads else param).detach()
+        if tp == 1 or isinstance(entry, Replicated):
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local.contiguous(), group=tp_group)
+        yield from entry.to_hf(shards).items()
+
+
+def gather_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """All of :func:`iter_hf_tensors` at once, for tests and small models."""
+    return {name: tensor.clone() for name, tensor in iter_hf_tensors(model, preset, padded_vocab, grads=grads)}

@@ -28,10 +28,19 @@ class LocalEngine:
         self.device = device
 
     def sleep(self) -> None:
-        """Nothing to release: the engine is the training model itself."""
+        """Nothing to release: the engine's model lives in the training process."""
 
     def wake(self) -> None:
-        """Nothing to restore: the engine always samples from the current weights."""
+        """Nothing to restore."""
+
+    def load_weights(self, named_tensors, preset, padded_vocab: int) -> None:
+        """Take HF-named weights (what :func:`megatron_mimesis.rl.weight_sync.sync_weights` streams, the same
+        names vLLM loads) into this engine's model, when it is a copy rather than the training model itself."""
+        from megatron_mimesis.models.hf_weights import load_hf_weights
+
+        state = dict(named_tensors)
+        for chunk in self.model:
+            load_hf_weights(getattr(chunk, "module", chunk), state, preset, padded_vocab)
 
     # ------------------------------------------------------------------
     def _packed_row(self, seqs: list[list[int]]):
