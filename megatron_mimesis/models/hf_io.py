@@ -78,10 +78,6 @@ class LazyHFState(Mapping):
         return len(self._where)
 
 
-def read_hf_state(directory: str | Path) -> LazyHFState:
-    return LazyHFState(directory)
-
-
 class ShardedSafetensorsWriter:
     """Writes tensors as they come into ``model-0000i-of-0000n.safetensors`` shards of at most ``max_shard_bytes``
     (a tensor larger than that gets a shard of its own) plus ``model.safetensors.index.json``."""

@@ -17,11 +17,11 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_mimesis.data.collate import packed_seq_params
 from megatron_mimesis.kernels import fused_linear_policy_loss
 from megatron_mimesis.rl.types import TrainingRow
+from megatron_mimesis.training.loss import fused_loss_inputs
 
 TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "old_logprobs", "advantages", "teacher_logprobs", "position_ids")
 
@@ -99,10 +99,7 @@ def collate_rows(samples: list[dict], pad_to_multiple: int, device) -> dict:
 
 def _policy_output_processor(loss_config: PolicyLossConfig, batch: dict, *, hidden_states, output_layer,
                              output_weight, config, **_):
-    if config.sequence_parallel:
-        hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-    weight = output_weight if output_weight is not None else output_layer.weight
-    hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1])
+    hidden, weight = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
     flat = {k: batch[k].reshape(-1) for k in TOKEN_FIELDS}
     loss_sum, metrics = fused_linear_policy_loss(
         hidden, weight, flat["labels"], flat["loss_mask"].to(hidden.dtype), flat["old_logprobs"], flat["advantages"],

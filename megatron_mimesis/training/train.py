@@ -127,10 +127,10 @@ class Trainer:
         )
 
     def _load_hf(self, chunks):
-        from megatron_mimesis.models.hf_io import read_hf_state
+        from megatron_mimesis.models.hf_io import LazyHFState
         from megatron_mimesis.models.hf_weights import load_hf_weights
 
-        state = read_hf_state(self.config.pretrained_hf)
+        state = LazyHFState(self.config.pretrained_hf)
         for chunk in chunks:
             load_hf_weights(chunk, state, self.config.preset, self.provider.padded_vocab_size)
 
