@@ -11,7 +11,7 @@ $(STAMP): setup.py constraints.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,envs]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -11,6 +11,7 @@ setup(
     + ["megatron_mimesis.kernels"]
     + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
     package_dir={"megatron_mimesis.kernels": "kernels"},
+    package_data={"megatron_mimesis.rl": ["templates/*.txt"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.19.2,<0.20",

@@ -4,7 +4,7 @@ Every kernel has a plain-PyTorch reference (reference.py) selectable with ``impl
 Triton on CUDA tensors and falls back to the reference elsewhere.
 """
 
-from .cross_entropy import fused_linear_cross_entropy
+from .cross_entropy import fused_linear_cross_entropy, fused_linear_logprobs
 from .group_stats import discounted_returns, foldgrpo_advantages
 from .policy_loss import fused_linear_policy_loss, policy_loss_from_logits
 
@@ -12,6 +12,7 @@ __all__ = [
     "discounted_returns",
     "foldgrpo_advantages",
     "fused_linear_cross_entropy",
+    "fused_linear_logprobs",
     "fused_linear_policy_loss",
     "policy_loss_from_logits",
 ]

@@ -22,3 +22,14 @@ def fused_linear_cross_entropy(hidden, weight, target_ids, loss_mask, *, tp_grou
         linear_logprob = reference.linear_logprob
     logprobs, _ = linear_logprob(hidden, weight, target_ids, tp_group)
     return reference.cross_entropy_from_logprobs(logprobs, loss_mask, normalizer)
+
+
+def fused_linear_logprobs(hidden, weight, target_ids, *, tp_group=None, impl="auto"):
+    """Per-token log p(y) [N] from hidden [N, H] and the output weight shard, on the same engine: how a teacher or
+    reference model scores given tokens (under no_grad) without materialising the logits."""
+    tp_group = tensor_parallel_group(tp_group)
+    if resolve_impl(impl, hidden) == "triton":
+        from .linear_logprob import linear_logprob
+    else:
+        linear_logprob = reference.linear_logprob
+    return linear_logprob(hidden, weight, target_ids, tp_group)[0]

@@ -1,7 +1,9 @@
-"""Simulator-RL configuration: the trainer's model / parallel / optimizer / checkpoint options plus the RL ones.
+"""RL configurations: the trainer's model / parallel / optimizer / checkpoint options plus the RL ones.
 
-Defaults are the paper's (64 prompts x 8 rollouts per step, FoldGRPO, 500 steps, no KL); the toy CPU demo and
-tests override them in their YAML. Validated up front like the trainer's, with one-line reasons.
+``RLConfig`` holds what both RL stages share (the rollout engine, sampling, the clipped policy update), so each
+default lives once; ``SimulatorRLConfig`` (FoldGRPO, stage I) and ``AgentRLConfig`` (GRPO + CSD, stage II, in
+``agent_config.py``) add their own. Defaults are the paper's; the CPU demos and tests override them in YAML.
+Validated up front like the trainer's, with one-line reasons.
 """
 
 from dataclasses import dataclass, field
@@ -10,36 +12,26 @@ from pathlib import Path
 from megatron_mimesis.training.config import ConfigError, TrainConfig
 
 COUNTERPARTS = ("openai", "scripted")
+ENGINES = ("local", "vllm")
 
 
 @dataclass
-class SimulatorRLConfig(TrainConfig):
-    stage: str = "rl_simulator"
-    train_iters: int = 500
+class RLConfig(TrainConfig):
     lr: float = 1e-6
     min_lr: float = 1e-6
     lr_warmup_iters: int = 0
     lr_decay_style: str = "constant"
-    log_dir: str = "runs/rl-simulator"
     # the policy's tokenizer (an HF directory); its special tokens drive the chat template
     tokenizer: str | None = None
-    # prompts and rewards
-    prompts: list[str] = field(default_factory=list)  # JSONL files of megatron_mimesis.rl.prompts records
-    domain_rewards: dict = field(default_factory=dict)  # domain -> registered reward name
-    reward_options: dict = field(default_factory=dict)  # reward name -> its factory's options (e.g. the judge)
-    domain_weights: dict | None = None  # domain -> sampling weight (default: by prompt count)
-    # rollouts
-    prompts_per_step: int = 64
-    rollouts_per_prompt: int = 8
-    max_turns: int = 4
+    # rollouts: "local" decodes with the training model itself (CPU, tests); "vllm" runs vLLM colocated in the
+    # training processes, asleep while the trainer steps, its weights synced after every update
+    engine: str = "local"
+    engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/vllm_engine.py)
+    generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
+    rollouts_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
-    thinking: bool = True
-    stop_marker: str = "<END>"
-    counterpart: str = "openai"
-    # OpenAICounterpart's keyword arguments, or for "scripted" {"reply": text}: a fixed answer (toy domains, tests)
-    counterpart_options: dict = field(default_factory=dict)
     # the update
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -47,10 +39,40 @@ class SimulatorRLConfig(TrainConfig):
     max_tokens_per_microbatch: int = 32768
     min_valid_rollouts: int = 2  # a group with fewer scored rollouts contributes no gradient (counted)
 
-    def validate(self, world_size: int) -> None:
+    def validate_rl(self, world_size: int) -> None:
         self.validate_model_and_optimizer(world_size)
         if not self.tokenizer or not (Path(self.tokenizer) / "tokenizer.json").exists():
             raise ConfigError(f"tokenizer: {self.tokenizer!r} is not an HF tokenizer directory (tokenizer.json)")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.rollouts_per_prompt < 2:
+            raise ConfigError("rollouts_per_prompt must be at least 2 (group statistics need two rollouts)")
+        if self.min_valid_rollouts < 2:
+            raise ConfigError("min_valid_rollouts must be at least 2")
+        if self.generation_timeout_s is not None and self.generation_timeout_s <= 0:
+            raise ConfigError("generation_timeout_s must be positive")
+
+
+@dataclass
+class SimulatorRLConfig(RLConfig):
+    stage: str = "rl_simulator"
+    train_iters: int = 500
+    log_dir: str = "runs/rl-simulator"
+    # prompts and rewards
+    prompts: list[str] = field(default_factory=list)  # JSONL files of megatron_mimesis.rl.prompts records
+    domain_rewards: dict = field(default_factory=dict)  # domain -> registered reward name
+    reward_options: dict = field(default_factory=dict)  # reward name -> its factory's options (e.g. the judge)
+    domain_weights: dict | None = None  # domain -> sampling weight (default: by prompt count)
+    prompts_per_step: int = 64
+    max_turns: int = 4
+    thinking: bool = True
+    stop_marker: str = "<END>"
+    counterpart: str = "openai"
+    # OpenAICounterpart's keyword arguments, or for "scripted" {"reply": text}: a fixed answer (toy domains, tests)
+    counterpart_options: dict = field(default_factory=dict)
+
+    def validate(self, world_size: int) -> None:
+        self.validate_rl(world_size)
         if not self.prompts:
             raise ConfigError("prompts: no prompt files given")
         for path in self.prompts:
@@ -62,10 +84,6 @@ class SimulatorRLConfig(TrainConfig):
             raise ConfigError(f"counterpart must be one of {COUNTERPARTS}, not {self.counterpart!r}")
         if self.counterpart == "scripted" and not isinstance(self.counterpart_options.get("reply"), str):
             raise ConfigError("counterpart=scripted needs counterpart_options {\"reply\": \"...\"}")
-        if self.rollouts_per_prompt < 2:
-            raise ConfigError("rollouts_per_prompt must be at least 2 (group statistics need two rollouts)")
         dp = self.data_parallel_size(world_size)
         if self.prompts_per_step % dp:
             raise ConfigError(f"prompts_per_step {self.prompts_per_step} is not divisible by data-parallel size {dp}")
-        if self.min_valid_rollouts < 2:
-            raise ConfigError("min_valid_rollouts must be at least 2")

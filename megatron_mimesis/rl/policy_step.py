@@ -119,7 +119,10 @@ def _forward_step(loss_config, data_iterator, model):
     def loss_func(result):
         loss_sum, metrics = result
         tokens = batch["loss_mask"].sum()
-        logged = {"pg loss": torch.stack([loss_sum.detach().clone().float(), tokens.float()])}
+        logged = {"loss": torch.stack([loss_sum.detach().clone().float(), tokens.float()])}
+        for name in ("pg_loss", "csd_loss"):  # sums over the micro-batch's tokens (normalizer 1)
+            if name in metrics:
+                logged[name] = torch.stack([metrics[name].detach().float(), tokens.float()])
         for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate"):
             if name in metrics:  # per-micro-batch means, weighted by tokens when reduced
                 logged[name] = torch.stack([metrics[name].detach().float() * tokens, tokens.float()])
@@ -165,7 +168,7 @@ def _reduce(losses: list[dict], device) -> dict:
     """Token-weighted means over micro-batches, shared by the last pipeline stage with all data-parallel ranks."""
     import torch.distributed as dist
 
-    names = ("pg loss", "clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate")
+    names = ("loss", "pg_loss", "csd_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate")
     totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
     for item in losses:
         for k, name in enumerate(names):
@@ -174,5 +177,5 @@ def _reduce(losses: list[dict], device) -> dict:
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
     dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-    return {name.replace(" ", "_"): (totals[k, 0] / totals[k, 1]).item()
+    return {name: (totals[k, 0] / totals[k, 1]).item()
             for k, name in enumerate(names) if totals[k, 1] > 0}

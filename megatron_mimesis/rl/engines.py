@@ -1,0 +1,24 @@
+"""The one place that picks the rollout engine from the config and keeps it in step with the trainer.
+
+The RL loops call ``build_rollout_engine`` once, ``engine.wake()`` / ``engine.sleep()`` around each step's
+rollouts, and ``refresh_engine`` after each optimizer step; nothing else knows which engine runs.
+"""
+
+from megatron_mimesis.rl.local_engine import LocalEngine
+from megatron_mimesis.rl.weight_sync import sync_weights
+
+
+def build_rollout_engine(config, trainer, tokenizer):
+    """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes."""
+    if config.engine == "local":
+        return LocalEngine(trainer.model, tokenizer, len(tokenizer), trainer.device)
+    from megatron_mimesis.rl.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_config(config, trainer, tokenizer)
+
+
+def refresh_engine(engine, trainer) -> None:
+    """After an optimizer step: give the engine the new weights unless it samples from the training model."""
+    if isinstance(engine, LocalEngine) and engine.model is trainer.model:
+        return
+    sync_weights(engine, trainer.model, trainer.config.preset, trainer.provider.padded_vocab_size)

@@ -1,0 +1,143 @@
+"""What both RL stages share around their step: the trainer, the rollout engine, the process-group roles, and
+the run (restore, log, checkpoint with the task sampler's position, stop on signals), so simulator RL and agent
+RL differ only in ``step``.
+
+Inside a model-parallel group (TP x PP) every rank must see the same rollouts, so anything that may call a
+remote endpoint (a counterpart, a judge, a coach, a user model) runs on the group's first rank and its answer
+is broadcast (``on_group_leader``).
+"""
+
+import math
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from megatron_mimesis.training.config import ConfigError
+
+
+def on_group_leader(fn, group):
+    """Run ``fn`` on the group's first rank and give its result to every rank of the group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return fn()
+    payload = [fn() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    return payload[0]
+
+
+class RLLoop:
+    """Subclasses set ``self.sampler`` (``state_dict``/``load_state_dict``), ``headline`` and ``step(i)``."""
+
+    headline: tuple[str, ...] = ()
+
+    def __init__(self, config):
+        from megatron.core import parallel_state
+        from transformers import AutoTokenizer
+
+        from megatron_mimesis.rl.engines import build_rollout_engine
+        from megatron_mimesis.training.train import Trainer
+
+        self.config = config
+        self.trainer = Trainer(config, tokenizer_dir=config.tokenizer)
+        self.device = self.trainer.device
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.engine = build_rollout_engine(config, self.trainer, self.tokenizer)
+        self.mp_group = parallel_state.get_model_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+
+    def step(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def my_share(self, items: list) -> tuple[list, int]:
+        """This data-parallel rank's slice of the step's prompts/tasks and its offset (for globally unique ids)."""
+        share = len(items) // self.dp_size
+        return items[self.dp_rank * share:(self.dp_rank + 1) * share], self.dp_rank * share
+
+    def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None) -> tuple[dict, list]:
+        """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
+        groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
+        rollouts, take one optimizer step and refresh the engine. ``teacher``: per-row teacher log-probs (CSD).
+        Returns the update's record and all ranks' summaries."""
+        from megatron_mimesis.kernels import foldgrpo_advantages
+        from megatron_mimesis.rl.engines import refresh_engine
+        from megatron_mimesis.rl.policy_step import policy_update
+
+        c = self.config
+        gathered = [None] * self.dp_size
+        dist.all_gather_object(gathered, (rows, summaries, teacher), group=self.dp_group)
+        rows = [r for part, _, _ in gathered for r in part]
+        summaries = [s for _, part, _ in gathered for s in part]
+        teacher = [t for _, _, part in gathered for t in part] if teacher is not None else None
+        valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
+        keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
+        record = {"rows": len(rows), "rows_trained": len(keep),
+                  "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep})}
+        if not keep:
+            record["update_applied"] = False
+            return record, summaries
+        kept = [rows[i] for i in keep]
+        advantages = foldgrpo_advantages(
+            torch.tensor([r.reward for r in kept], dtype=torch.float32),
+            torch.tensor([r.group_id for r in kept]), torch.tensor([r.rollout_id for r in kept]), impl="torch",
+        ).tolist()
+        start = time.perf_counter()
+        record.update(policy_update(
+            self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept, advantages, loss_config,
+            c.max_tokens_per_microbatch, self.device,
+            teacher_logprobs=[teacher[i] for i in keep] if teacher is not None else None,
+        ))
+        record["train_time_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        refresh_engine(self.engine, self.trainer)
+        record["weight_sync_time_s"] = time.perf_counter() - start
+        record["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
+        return record, summaries
+
+    def run(self) -> int:
+        from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
+        from megatron_mimesis.training.run_log import RunLog
+        from megatron_mimesis.training.signals import ExitSignal
+        from megatron_mimesis.training.train import save_and_maybe_stop, save_final
+
+        c = self.config
+        progress = self.trainer.restore({"iteration": 0, "sampler": self.sampler.state_dict()})
+        if "sampler" not in progress:
+            raise ConfigError(f"load: {c.load} is not a {c.stage} checkpoint; start from it with --finetune")
+        self.sampler.load_state_dict(progress["sampler"])
+        run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
+                      "padded_vocab_size": self.trainer.provider.padded_vocab_size}
+        self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
+                          progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,
+                          headline=self.headline)
+        exit_signal = ExitSignal() if c.exit_signal_handler else None
+
+        def save():
+            progress["sampler"] = self.sampler.state_dict()
+            save_checkpoint(c.save, progress["iteration"], self.trainer.model, self.trainer.optimizer,
+                            self.trainer.scheduler, dict(progress), run_config, tokenizer_dir=c.tokenizer)
+
+        while progress["iteration"] < c.train_iters:
+            record = self.step(progress["iteration"])
+            progress["iteration"] += 1
+            it = progress["iteration"]
+            self.log.step({"iteration": it, **record})
+            if save_and_maybe_stop(c, it, exit_signal, self.log, save):
+                break
+        else:
+            save_final(c, progress["iteration"], save)
+        self.log.close()
+        return 0
+
+
+def mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def std(values):
+    if len(values) < 2:
+        return None
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
