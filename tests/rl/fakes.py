@@ -18,7 +18,7 @@ from megatron_mimesis.rl.types import Generation, SamplingParams
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 EOT, IM_START, IM_END, THINK, END_THINK = range(5)
-CHARS = "\n " + string.ascii_letters + string.digits + "?.,!'<>|/_:"
+CHARS = "\n " + string.ascii_letters + string.digits + "?.,!'<>|/_:" + '=#{}"()[]-*;'
 VOCAB = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARS])}
 
 
