@@ -1,0 +1,67 @@
+"""Agent-RL configuration (GRPO + CSD against the frozen user simulator): the shared RL options plus the
+environment, the user model, returns and the coach. Defaults are the paper's stage II (group 8, gamma 0.8,
+100 steps, CSD alpha 0.01, beta 5.0)."""
+
+from dataclasses import dataclass, field
+
+from megatron_mimesis.rl.config import RLConfig
+from megatron_mimesis.training.config import ConfigError
+
+ENVS = ("toy", "tau2")
+USER_MODELS = ("openai", "scripted")  # "scripted": the env's own scripted user (the toy env has one)
+COACHES = ("none", "openai", "policy", "scripted")  # "policy": the agent's own engine writes the notes
+
+
+@dataclass
+class AgentRLConfig(RLConfig):
+    stage: str = "rl_agent"
+    train_iters: int = 100
+    log_dir: str = "runs/rl-agent"
+    # the environment: "tau2" takes {"domain": "retail" | "airline" | "telecom" | "mock", ...}
+    env: str = "tau2"
+    env_options: dict = field(default_factory=dict)
+    train_split: str = "train"
+    tasks_per_step: int = 16
+    max_agent_turns: int = 30  # agent generations per episode, tool calls included
+    thinking: bool = True  # the agent's own thinking (Qwen3.5 thinking template)
+    gamma: float = 0.8  # reward-to-go discount over agent turns
+    # the frozen user simulator: OpenAIUserModel keyword arguments (e.g. a `vllm serve` of the simulator)
+    user_model: str = "openai"
+    user_model_options: dict = field(default_factory=dict)
+    # CSD
+    coach: str = "openai"
+    coach_options: dict = field(default_factory=dict)  # OpenAICoach keyword arguments; scripted: {"note": text}
+    coach_max_new_tokens: int = 256  # "policy" coach
+    csd_alpha: float = 0.01
+    csd_beta: float = 5.0
+    csd_placebo: bool = False  # teacher(note) - teacher(placebo note) + student, removing the note's generic shift
+    placebo_note: str = "Keep helping the user."
+    csd_log_samples: int = 4  # coach notes (with thoughts and teacher context) written to csd_samples.jsonl per step
+
+    def validate(self, world_size: int) -> None:
+        self.validate_rl(world_size)
+        if self.env not in ENVS:
+            raise ConfigError(f"env must be one of {ENVS}, not {self.env!r}")
+        if self.env == "tau2" and "domain" not in self.env_options:
+            raise ConfigError("env=tau2 needs env_options {\"domain\": ...}")
+        if self.user_model not in USER_MODELS:
+            raise ConfigError(f"user_model must be one of {USER_MODELS}, not {self.user_model!r}")
+        if self.user_model == "scripted" and self.env != "toy":
+            raise ConfigError("user_model=scripted is the toy env's scripted user; use openai for tau2")
+        if self.user_model == "openai" and not {"base_url", "model"} <= set(self.user_model_options):
+            raise ConfigError("user_model=openai needs user_model_options with base_url and model")
+        if self.coach not in COACHES:
+            raise ConfigError(f"coach must be one of {COACHES}, not {self.coach!r}")
+        if self.coach == "openai" and not {"base_url", "model"} <= set(self.coach_options):
+            raise ConfigError("coach=openai needs coach_options with base_url and model")
+        if self.coach == "scripted" and not isinstance(self.coach_options.get("note"), str):
+            raise ConfigError("coach=scripted needs coach_options {\"note\": \"...\"}")
+        if self.coach == "none" and self.csd_alpha:
+            raise ConfigError("coach=none trains plain GRPO: set csd_alpha to 0")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"gamma must be in [0, 1], got {self.gamma}")
+        if self.max_agent_turns < 1:
+            raise ConfigError("max_agent_turns must be at least 1")
+        dp = self.data_parallel_size(world_size)
+        if self.tasks_per_step % dp:
+            raise ConfigError(f"tasks_per_step {self.tasks_per_step} is not divisible by data-parallel size {dp}")

@@ -1,0 +1,268 @@
+"""Agent RL with GRPO + CSD against the frozen user simulator: the whole loop, top to bottom.
+
+    python -m megatron_mimesis.rl.agent_rl --config FILE [--flag value ...] [--dry-run]   (under torchrun)
+
+Each step: take the next tasks of the environment's train split (seeded epochs); every data-parallel rank
+plays its share ``rollouts_per_prompt`` times (the GRPO group), the policy as the agent with the env's tools,
+the frozen simulator as the user (its thinking private); score each episode with the env (tau2's own
+evaluator, or the toy env's per-turn reward); turn every agent generation into a training row whose reward is
+the reward-to-go G_t (gamma); then CSD: a coach writes a note per agent turn from the user's next thinking and
+reply, and the current weights, without grad and with the note in context, re-score the student's sampled
+tokens (``csd.py``); finally one optimizer step on L_GRPO + alpha L_CSD with advantages over unique rollouts
+(each group's statistics read G_0 of every rollout once).
+
+Coach failures drop that turn's CSD term (counted); env scoring failures leave the rollout unscored
+(counted, out of the group statistics). Sampled notes, thoughts and teacher contexts go to
+``{log_dir}/csd_samples.jsonl`` for inspection.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from megatron_mimesis.rl.agent_config import AgentRLConfig
+from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, std
+from megatron_mimesis.training.config import ConfigError, parse_config
+
+
+class TaskSampler:
+    """The train split in seeded epochs (a fresh shuffle each); resumable from (epoch, position)."""
+
+    def __init__(self, task_ids: list[str], seed: int):
+        if not task_ids:
+            raise ConfigError("the environment's train split has no tasks")
+        self.task_ids, self.seed = sorted(task_ids), seed
+        self.epoch, self.position = 0, 0
+
+    def _order(self) -> list[str]:
+        order = list(self.task_ids)
+        random.Random(self.seed * 100003 + self.epoch).shuffle(order)
+        return order
+
+    def sample(self, n: int) -> list[str]:
+        out = []
+        while len(out) < n:
+            order = self._order()
+            take = order[self.position:self.position + n - len(out)]
+            out += take
+            self.position += len(take)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def build_suite(config: AgentRLConfig):
+    if config.env == "toy":
+        from megatron_mimesis.rl.envs.toy import ToySuite
+
+        return ToySuite(**config.env_options)
+    from megatron_mimesis.rl.envs.tau2 import Tau2Suite
+
+    return Tau2Suite(**config.env_options)
+
+
+def build_user_model(config: AgentRLConfig):
+    if config.user_model == "scripted":
+        from megatron_mimesis.rl.envs.toy import toy_user
+
+        return toy_user()
+    from megatron_mimesis.rl.user_models import OpenAIUserModel
+
+    return OpenAIUserModel(**config.user_model_options)
+
+
+class _LeaderUserModel:
+    def __init__(self, inner, group):
+        self.inner, self.group = inner, group
+
+    def reply_many(self, instructions, transcripts):
+        return on_group_leader(lambda: self.inner.reply_many(instructions, transcripts), self.group)
+
+
+class AgentRL(RLLoop):
+    headline = ("reward_mean", "pg_loss", "csd_gate_mean")
+
+    def __init__(self, config: AgentRLConfig):
+        from megatron_mimesis.rl.agent_episodes import AgentEpisodeRunner
+        from megatron_mimesis.rl.chat import ChatRenderer
+        from megatron_mimesis.rl.types import SamplingParams
+
+        super().__init__(config)
+        c = config
+        self.suite = build_suite(c)
+        self.sampler = TaskSampler(self.suite.task_ids(c.train_split), c.seed)
+        self.renderer = ChatRenderer(self.tokenizer, thinking=c.thinking)
+        self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p)
+        self.runner = AgentEpisodeRunner(self.engine, self.renderer,
+                                         _LeaderUserModel(build_user_model(c), self.mp_group), self.sampling,
+                                         c.max_agent_turns)
+        self.coach = self._coach() if c.csd_alpha else None
+        self.coach_template = None
+        if self.coach is not None:
+            from megatron_mimesis.rl.csd import COACH_TEMPLATE
+
+            self.coach_template = COACH_TEMPLATE.read_text()
+        self.samples_path = Path(c.log_dir) / "csd_samples.jsonl"
+
+    def _coach(self):
+        from megatron_mimesis.rl.csd import EngineCoach, OpenAICoach, ScriptedCoach
+
+        c = self.config
+        if c.coach == "scripted":
+            return ScriptedCoach(lambda prompt, note=c.coach_options["note"]: note)
+        if c.coach == "policy":
+            from dataclasses import replace
+
+            return EngineCoach(self.engine, self.renderer, replace(self.sampling, max_new_tokens=c.coach_max_new_tokens))
+        return OpenAICoach(**c.coach_options)
+
+    # ------------------------------------------------------------------ one step
+    def _score(self, episodes) -> Counter:
+        """Env scores on the model-parallel leader (an evaluator may call a model), shared with the group."""
+        from megatron_mimesis.rl.agent_episodes import score_episodes
+
+        def score():
+            failures = score_episodes(episodes)
+            return failures, [(e.turn_rewards, e.score_info) for e in episodes]
+
+        failures, results = on_group_leader(score, self.mp_group)
+        for e, (rewards, info) in zip(episodes, results, strict=True):
+            e.turn_rewards, e.score_info = rewards, info
+        return Counter(failures)
+
+    def _teacher(self, rows, step: int) -> tuple[list[list[float]], dict]:
+        """Teacher log-probs per row (``NO_GATE`` where the coach gave no note) and the CSD counters."""
+        from megatron_mimesis.rl.csd import NO_GATE, coach_prompt, teacher_context
+        from megatron_mimesis.rl.scoring import score_rows
+
+        c = self.config
+        prompts = [coach_prompt(episode, t, self.coach_template) for _, episode, t in rows]
+        if c.coach == "policy":
+            self.engine.wake()
+        notes = on_group_leader(lambda: self.coach.notes_many(prompts), self.mp_group)
+        if c.coach == "policy":
+            self.engine.sleep()
+        coached = [k for k, n in enumerate(notes) if n.note is not None]
+        contexts = {k: teacher_context(self.renderer, rows[k][1], rows[k][2], notes[k].note) for k in coached}
+        scored = score_rows(self.trainer.model, [(contexts[k], rows[k][0].response_ids) for k in coached],
+                            c.max_tokens_per_microbatch, self.device)
+        if c.csd_placebo and coached:
+            placebo = score_rows(self.trainer.model, [
+                (teacher_context(self.renderer, rows[k][1], rows[k][2], c.placebo_note), rows[k][0].response_ids)
+                for k in coached], c.max_tokens_per_microbatch, self.device)
+            scored = [[t - p + s for t, p, s in zip(t_row, p_row, rows[k][0].response_logprobs, strict=True)]
+                      for k, t_row, p_row in zip(coached, scored, placebo, strict=True)]
+        teacher = [[NO_GATE] * len(row.response_ids) for row, _, _ in rows]
+        for k, logprobs in zip(coached, scored, strict=True):
+            teacher[k] = logprobs
+        failures = Counter(n.error.split(":")[0] for n in notes if n.note is None)
+        self._log_samples(step, rows, notes, contexts, teacher)
+        return teacher, {"csd_turns": len(coached), "coach_failures": sum(failures.values())}
+
+    def _log_samples(self, step, rows, notes, contexts, teacher) -> None:
+        """A few coached turns per step, in full, on the first data-parallel rank's model-parallel leader."""
+        if not self.trainer.is_logger or not self.config.csd_log_samples:
+            return
+        self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.samples_path.open("a") as out:
+            for k in sorted(contexts)[:self.config.csd_log_samples]:
+                row, episode, t = rows[k]
+                thinking, reply = episode.user_reaction(episode.turns[t])
+                out.write(json.dumps({
+                    "step": step, "task": episode.task.task_id, "rollout": row.rollout_id, "turn": t,
+                    "agent_message": episode.messages[episode.turns[t].message_index]["content"],
+                    "user_thinking": thinking, "user_reply": reply, "note": notes[k].note,
+                    "teacher_context": self.tokenizer.decode(contexts[k][-2000:]),
+                    "teacher_minus_student": mean([a - b for a, b in zip(teacher[k], row.response_logprobs, strict=True)]),
+                }) + "\n")
+
+    def step(self, step: int) -> dict:
+        from megatron_mimesis.rl.agent_episodes import agent_rows
+        from megatron_mimesis.rl.csd import gate_statistics
+        from megatron_mimesis.rl.policy_step import PolicyLossConfig
+
+        c = self.config
+        start = time.perf_counter()
+        mine, offset = self.my_share(self.sampler.sample(c.tasks_per_step))
+        self.engine.wake()
+        episodes = self.runner.run(self.suite, mine, c.rollouts_per_prompt, step_seed=step * self.dp_size + self.dp_rank)
+        self.engine.sleep()
+        for e in episodes:
+            e.group_id += offset
+            e.rollout_id += offset * c.rollouts_per_prompt
+        score_failures = self._score(episodes)
+        rows = agent_rows(episodes, c.gamma, self.suite.name)
+        rollout_time = time.perf_counter() - start
+        record = {"rollout_time_s": rollout_time, "score_failures": sum(score_failures.values())}
+        teacher = None
+        if self.coach is not None:
+            start = time.perf_counter()
+            teacher, csd_counts = self._teacher(rows, step)
+            record.update(csd_counts)
+            record["teacher_time_s"] = time.perf_counter() - start
+        update, summaries = self.gather_and_update(
+            [row for row, _, _ in rows], [_summary(e) for e in episodes],
+            PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c,
+                             csd_alpha=c.csd_alpha, csd_beta=c.csd_beta), teacher)
+        record.update(update)
+        record.update(_rollout_metrics(summaries))
+        if teacher is not None:
+            record.update(gate_statistics(teacher, [row.response_logprobs for row, _, _ in rows], c.csd_beta))
+        return record
+
+
+def _summary(episode) -> dict:
+    scored = episode.turn_rewards is not None
+    return {"group_id": episode.group_id, "rollout_id": episode.rollout_id,
+            "reward": sum(episode.turn_rewards) if scored else None,
+            "termination": episode.termination.split(":")[0], "turns": len(episode.turns),
+            "tool_calls": sum(len(m.get("tool_calls", [])) for m in episode.messages),
+            "response_tokens": sum(len(t.response_ids) for t in episode.turns)}
+
+
+def _rollout_metrics(summaries) -> dict:
+    scored = [s for s in summaries if s["reward"] is not None]
+    record = {
+        "rollouts": len(summaries), "scored_rollouts": len(scored),
+        "reward_mean": mean([s["reward"] for s in scored]), "reward_std": std([s["reward"] for s in scored]),
+        "turns_mean": mean([s["turns"] for s in summaries]),
+        "tool_calls_mean": mean([s["tool_calls"] for s in summaries]),
+        "response_tokens_per_turn": mean([s["response_tokens"] / max(s["turns"], 1) for s in summaries]),
+    }
+    for reason, count in Counter(s["termination"] for s in summaries).items():
+        record[f"termination/{reason}"] = count
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, args = parse_config(argv, AgentRLConfig, prog="python -m megatron_mimesis.rl.agent_rl",
+                                description="Agent RL (GRPO + CSD) against a frozen user simulator on megatron-core.")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config.validate(world_size)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(json.dumps({"config": config.to_dict(), "world_size": world_size,
+                          "data_parallel_size": config.data_parallel_size(world_size),
+                          "rollouts_per_step": config.tasks_per_step * config.rollouts_per_prompt}, indent=2))
+        return 0
+    from megatron_mimesis.training.train import run_to_completion
+
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    return run_to_completion(lambda: AgentRL(config).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
