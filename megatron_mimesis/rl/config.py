@@ -45,6 +45,10 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"tokenizer: {self.tokenizer!r} is not an HF tokenizer directory (tokenizer.json)")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.engine == "vllm":
+            from megatron_mimesis.rl.vllm_engine import check_vllm_config
+
+            check_vllm_config(self)
         if self.rollouts_per_prompt < 2:
             raise ConfigError("rollouts_per_prompt must be at least 2 (group statistics need two rollouts)")
         if self.min_valid_rollouts < 2:

@@ -4,6 +4,7 @@ The RL loops call ``build_rollout_engine`` once, ``engine.wake()`` / ``engine.sl
 rollouts, and ``refresh_engine`` after each optimizer step; nothing else knows which engine runs.
 """
 
+from megatron_mimesis.rl.generation_timeout import add_generation_timeout
 from megatron_mimesis.rl.local_engine import LocalEngine
 from megatron_mimesis.rl.weight_sync import sync_weights
 
@@ -11,10 +12,12 @@ from megatron_mimesis.rl.weight_sync import sync_weights
 def build_rollout_engine(config, trainer, tokenizer):
     """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes."""
     if config.engine == "local":
-        return LocalEngine(trainer.model, tokenizer, len(tokenizer), trainer.device)
-    from megatron_mimesis.rl.vllm_engine import VLLMEngine
+        engine = LocalEngine(trainer.model, tokenizer, len(tokenizer), trainer.device)
+    else:
+        from megatron_mimesis.rl.vllm_engine import VLLMEngine
 
-    return VLLMEngine.from_config(config, trainer, tokenizer)
+        engine = VLLMEngine.from_config(config, trainer, tokenizer)
+    return add_generation_timeout(engine, config.generation_timeout_s)
 
 
 def refresh_engine(engine, trainer) -> None:

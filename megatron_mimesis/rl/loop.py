@@ -97,6 +97,7 @@ class RLLoop:
         return record, summaries
 
     def run(self) -> int:
+        from megatron_mimesis.rl.engines import refresh_engine
         from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
@@ -107,6 +108,7 @@ class RLLoop:
         if "sampler" not in progress:
             raise ConfigError(f"load: {c.load} is not a {c.stage} checkpoint; start from it with --finetune")
         self.sampler.load_state_dict(progress["sampler"])
+        refresh_engine(self.engine, self.trainer)  # the engine was built before the weights were restored
         run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.trainer.provider.padded_vocab_size}
         self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,

@@ -156,3 +156,33 @@ def test_rl_simulator_dry_run_runs_the_rl_entry_point(fake):
     assert f"-m megatron_mimesis.rl.simulator_rl --config {config} --rollouts-per-prompt 8" in result.stdout
     resolved = trainer_json(result.stdout)
     assert resolved["rollouts_per_step"] == 32 and resolved["config"]["tensor_model_parallel_size"] == 2
+
+
+def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
+    tmp_path, env = fake
+    tokenizer, checkpoint = tmp_path / "sft-tok", tmp_path / "sft-ckpt"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    (checkpoint / "iter_0000203").mkdir(parents=True)
+    (checkpoint / "iter_0000203" / ".metadata").write_text("")
+    (checkpoint / "latest").write_text("203")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "p0", "domain": "abcd", "prompt": "Book a flight."}\n')
+    args = ["--dry-run", "--load", str(checkpoint), "--tokenizer", str(tokenizer), "--prompts", json.dumps([str(prompts)])]
+    result = run("rl_simulator.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"})
+    assert result.returncode == 0, result.stderr
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=64" in result.stdout
+    assert "--nnodes 2 --nproc-per-node 8" in result.stdout
+    assert "-m megatron_mimesis.rl.simulator_rl --config launch/configs/rl_simulator_9b.yaml" in result.stdout
+    resolved = trainer_json(result.stdout)
+    assert resolved["world_size"] == 16 and resolved["data_parallel_size"] == 4
+    assert resolved["rollouts_per_step"] == 64 * 8
+    config = resolved["config"]
+    assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
+    assert (config["engine"], config["train_iters"], config["lr"], config["lr_decay_style"]) == ("vllm", 500, 1e-6,
+                                                                                                "constant")
+    assert config["load"] == str(checkpoint) and config["finetune"]
+    from megatron_mimesis.rl.config import SimulatorRLConfig
+    from megatron_mimesis.rl.vllm_engine import check_vllm_config
+
+    check_vllm_config(SimulatorRLConfig(**config))  # the layout the vLLM engine accepts

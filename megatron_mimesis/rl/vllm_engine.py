@@ -1,0 +1,201 @@
+"""Rollouts with vLLM inside the training processes: colocated, SPMD under torchrun, no Ray and no second job.
+
+Every trainer rank builds one ``vllm.LLM`` with ``distributed_executor_backend="external_launcher"``. vLLM then
+joins the torch.distributed world megatron already set up and groups consecutive ranks into tensor-parallel
+instances of ``tensor_model_parallel_size`` ranks. Those are exactly megatron's TP groups (TP is its fastest
+rank dimension), so each trainer TP group is one vLLM instance and the data-parallel replicas are independent
+instances (vLLM's "external DP"). All ranks of an instance call ``generate`` with the same prompts and per-request
+seeds, as they do with the local engine, so they schedule and sample identically.
+
+Refused layouts (:func:`check_vllm_config`): pipeline parallelism, because vLLM lays its pipeline ranks out
+differently from megatron and a stage's weight sync carries only that stage's layers; context parallelism,
+because every CP rank would run its own instance for the same prompts and nothing makes their samples agree.
+
+The model is built from an HF config written from the preset (``load_format="dummy"``: no checkpoint is read)
+and gets its weights from :func:`~megatron_mimesis.rl.weight_sync.sync_weights`: once in :meth:`from_config`,
+and after every optimizer step. Between rollouts the engine sleeps at level 1 (weights to CPU memory, KV cache
+dropped) so training gets the memory back; a sync into a sleeping engine wakes only the weights, and ``wake``
+brings back the rest (the order veRL and slime use). Level 1 rather than 2 (drop the weights too): a step that
+applies no update syncs nothing, and the engine must still wake up with the current weights.
+
+vLLM behaviour relied on, checked in the vLLM 0.33.0 sources (the [gpu] extra's version):
+
+* ``external_launcher``: one in-process worker per rank (``v1/executor/uniproc_executor.py``,
+  ``ExecutorWithExternalLauncher``), V1 multiprocessing switched off (``config/parallel.py``), TP groups of
+  consecutive ranks over an already initialised world (``distributed/parallel_state.py``,
+  ``initialize_model_parallel``: layout ExternalDP x DP x PP x PCP x TP).
+* ``LLM.apply_model(fn)`` runs ``fn(model)`` on that in-process worker (``collective_rpc("apply_model")`` ->
+  ``WorkerBase.apply_model``), so a lazy generator of tensors can be handed to the model's ``load_weights``.
+* ``LLM.sleep(level=1)`` / ``LLM.wake_up(tags)`` with tags "weights" and "kv_cache"; scheduling resumes once
+  every tag is awake (``v1/engine/core.py``).
+* ``Qwen3_5ForCausalLM`` is a registered text-only architecture whose ``load_weights`` takes the HF names
+  ``model.*`` / ``lm_head.weight`` (``model_executor/models/qwen3_5.py``).
+* ``logprobs_mode="raw_logprobs"``: sampled-token log-probs of the model's distribution before temperature and
+  top-p (``v1/sample/sampler.py``), the untempered log-probs the policy loss recomputes.
+* A request stopped by a stop token id keeps that id as its last output token; ``ignore_eos=True`` leaves the
+  stop decision to ``stop_token_ids`` alone (``v1/core/sched/utils.py``, ``check_stop``).
+"""
+
+import hashlib
+import itertools
+import tempfile
+
+import torch
+
+from megatron_mimesis.rl.types import Generation, SamplingParams
+
+# The rows of these tensors are the vocabulary: megatron pads them (to a multiple of 64 x TP), HF and vLLM do not.
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+# What the engine sets itself: engine_options may add to these, never replace them.
+FIXED_OPTIONS = ("model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "pipeline_parallel_size",
+                 "distributed_executor_backend", "enable_sleep_mode", "load_format", "dtype", "logprobs_mode")
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError("engine=vllm needs vLLM, which the [gpu] extra installs: pip install -e '.[gpu]'") from exc
+    return vllm
+
+
+def check_vllm_config(config) -> None:
+    """The trainer settings the colocated engine works with; a ConfigError with the reason otherwise."""
+    from megatron_mimesis.training.config import ConfigError
+
+    if config.pipeline_model_parallel_size > 1:
+        raise ConfigError("engine=vllm needs pipeline_model_parallel_size 1: vLLM groups pipeline ranks unlike "
+                          "megatron, and a pipeline stage syncs only its own layers")
+    if config.context_parallel_size > 1:
+        raise ConfigError("engine=vllm needs context_parallel_size 1: each CP rank would sample the same prompts "
+                          "on its own vLLM instance")
+    if not config.bf16:
+        raise ConfigError("engine=vllm needs bf16: true (vLLM samples in bf16; the update recomputes the sampler's "
+                          "log-probs, so both must run the same precision)")
+    if config.overlap_param_gather:
+        raise ConfigError("engine=vllm needs overlap_param_gather: false (it defers gathering the updated weights "
+                          "to the next forward, so the sync after a step would send the previous weights)")
+    fixed = sorted(set(config.engine_options) & set(FIXED_OPTIONS))
+    if fixed:
+        raise ConfigError(f"engine_options: {fixed} are set by the vLLM engine itself")
+
+
+def request_seeds(key: str, count: int) -> list[int]:
+    """One seed per request of a call: distinct within the call (identical prompts draw independent samples), a
+    function of the call's key alone (the call reproduces), unrelated across keys; 63 bits fit a signed int64."""
+    return [int.from_bytes(hashlib.blake2b(f"{key}/{i}".encode(), digest_size=8).digest(), "little") >> 1
+            for i in range(count)]
+
+
+def hf_shaped(named_tensors, vocab_size: int, padded_vocab: int):
+    """The synced tensors in HF shapes, lazily: megatron's vocabulary padding rows dropped, any other row count an
+    error (vLLM's loaders would otherwise shard the wrong rows)."""
+    for name, tensor in named_tensors:
+        if name in VOCAB_ROWS and tensor.shape[0] != vocab_size:
+            if tensor.shape[0] != padded_vocab:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected vocab {vocab_size} or padded {padded_vocab}")
+            tensor = tensor[:vocab_size]
+        yield name, tensor
+
+
+def _load_into(named_tensors, model) -> list[str]:
+    """Runs inside the vLLM worker: load the stream, return the model's parameters it left untouched."""
+    loaded = model.load_weights(named_tensors)
+    return sorted({name for name, _ in model.named_parameters()} - set(loaded))
+
+
+class VLLMEngine:
+    def __init__(self, preset, tokenizer, tensor_parallel_size: int, options: dict):
+        self._vllm = import_vllm()
+        self.tokenizer = tokenizer  # decodes the text: the same tokenizer, and call, as the local engine's
+        self.seed = options.get("seed", 0)
+        self._model_dir = tempfile.TemporaryDirectory(prefix="mimesis-vllm-")
+        preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype="bfloat16").save_pretrained(
+            self._model_dir.name)
+        self.llm = self._vllm.LLM(
+            model=self._model_dir.name,
+            # prompts arrive as token ids and outputs are decoded here, so vLLM needs no tokenizer
+            skip_tokenizer_init=True,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=True,
+            load_format="dummy",
+            dtype="bfloat16",
+            logprobs_mode="raw_logprobs",
+            **options,
+        )
+        self._asleep: set[str] = set()  # the sleep tags not woken yet
+        self._unseeded_calls = itertools.count()
+
+    @classmethod
+    def from_config(cls, config, trainer, tokenizer) -> "VLLMEngine":
+        """Build the engine on every rank (collective: vLLM makes its process groups) and give it the trainer's
+        current weights, so it never samples from its dummy ones."""
+        from megatron_mimesis.rl.weight_sync import sync_weights
+
+        check_vllm_config(config)
+        engine = cls(config.preset, tokenizer, config.tensor_model_parallel_size,
+                     {"seed": config.seed, **config.engine_options})
+        sync_weights(engine, trainer.model, config.preset, trainer.provider.padded_vocab_size)
+        return engine
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake(self) -> None:
+        if self._asleep:
+            torch.cuda.empty_cache()  # the trainer's cached blocks go back to the driver, where vLLM maps its memory
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep = set()
+
+    def load_weights(self, named_tensors, preset, padded_vocab: int) -> None:
+        """Stream HF-named full tensors into the vLLM model one at a time (each rank's loaders keep their own TP
+        shard), so the extra memory stays one parameter; every parameter of the model must be covered."""
+        if "weights" in self._asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        stream = hf_shaped(named_tensors, preset.vocab_size, padded_vocab)
+        missing = self.llm.apply_model(lambda model: _load_into(stream, model))[0]
+        if missing:
+            raise RuntimeError(f"weight sync left {len(missing)} vLLM parameters unloaded, e.g. {missing[:3]}")
+        if not self._asleep:
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    # ------------------------------------------------------------------ sampling
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
+        key = (f"seed {sampling.seed}" if sampling.seed is not None
+               else f"engine seed {self.seed}, unseeded call {next(self._unseeded_calls)}")
+        params = [
+            self._vllm.SamplingParams(
+                n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, seed=seed, logprobs=0,
+                detokenize=False,
+            )
+            for seed in request_seeds(key, len(prompts))
+        ]
+        outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return [self._generation(output.outputs[0]) for output in outputs]
+
+    def _generation(self, completion) -> Generation:
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a request with finish_reason {completion.finish_reason!r}")
+        token_ids = list(completion.token_ids)
+        # logprobs=0: each step holds the sampled token (and any top-k alternatives, unused)
+        logprobs = [step[token].logprob for token, step in zip(token_ids, completion.logprobs, strict=True)]
+        return Generation(token_ids=token_ids, text=self.tokenizer.decode(token_ids, skip_special_tokens=False),
+                          logprobs=logprobs, finish_reason=completion.finish_reason)
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """The engine's log-prob of each response token after its prompt (vLLM's prompt log-probs, raw): what a
+        check of a weight sync compares with the trainer's log-probs of the same tokens."""
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(
+            [self._vllm.TokensPrompt(prompt_token_ids=list(p) + list(r)) for p, r in zip(prompts, responses,
+                                                                                          strict=True)],
+            params, use_tqdm=False)
+        return [[output.prompt_logprobs[i][token].logprob for i, token in enumerate(r, start=len(p))]
+                for p, r, output in zip(prompts, responses, outputs, strict=True)]
