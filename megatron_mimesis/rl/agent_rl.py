@@ -147,11 +147,12 @@ class AgentRL(RLLoop):
 
         c = self.config
         prompts = [coach_prompt(episode, t, self.coach_template) for _, episode, t in rows]
-        if c.coach == "policy":
+        if c.coach == "policy":  # the engine is collective over the model-parallel group: every rank generates
             self.engine.wake()
-        notes = on_group_leader(lambda: self.coach.notes_many(prompts), self.mp_group)
-        if c.coach == "policy":
+            notes = self.coach.notes_many(prompts)
             self.engine.sleep()
+        else:
+            notes = on_group_leader(lambda: self.coach.notes_many(prompts), self.mp_group)
         coached = [k for k, n in enumerate(notes) if n.note is not None]
         contexts = {k: teacher_context(self.renderer, rows[k][1], rows[k][2], notes[k].note) for k in coached}
         scored = score_rows(self.trainer.model, [(contexts[k], rows[k][0].response_ids) for k in coached],

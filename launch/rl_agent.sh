@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Agent RL with GRPO + CSD against the frozen user simulator (MIMESIS stage II). On SLURM or with GPUs: CONFIG
+# (default launch/configs/rl_agent_9b.yaml) under one torchrun per node; with neither and no CONFIG: the
+# embedded CPU demo, which starts from the mid-training demo's checkpoint and trains the tiny model as the agent
+# on the toy env (scripted user and coach), TP=2.
+#   bash launch/rl_agent.sh [--flag VALUE ...] [--dry-run]
+# Environment: CONFIG, SAVE, NPROC, NNODES, GPUS_PER_NODE, PYTHON (launch/common.sh).
+set -euo pipefail
+
+STAGE=rl_agent
+TRAIN_MODULE=megatron_mimesis.rl.agent_rl
+PAPER_CONFIG=launch/configs/rl_agent_9b.yaml
+DEMO_CONFIG=launch/configs/demo_rl_agent.yaml
+DEMO_RUN_DIR=runs/demo-rl-agent
+DEMO_PREP_ARGS=()
+DEMO_NEEDS=(runs/demo-midtrain/checkpoints/latest .cache/data/chitchat-midtrain/tokenizer/tokenizer.json)
+DEMO_NEEDS_HINT="run bash launch/midtrain.sh first (the RL demo starts from its checkpoint and tokenizer)"
+DEMO_PLOT_ARGS=(--metric reward_mean --speed rollout_time_s)
+
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+launch "$@"
