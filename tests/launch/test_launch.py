@@ -186,3 +186,37 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
     from megatron_mimesis.rl.vllm_engine import check_vllm_config
 
     check_vllm_config(SimulatorRLConfig(**config))  # the layout the vLLM engine accepts
+
+
+def test_rl_agent_slurm_dry_run_has_the_paper_settings(fake):
+    tmp_path, env = fake
+    hf = tmp_path / "qwen"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+    (hf / "config.json").write_text("{}")
+    args = ["--dry-run", "--pretrained-hf", str(hf), "--tokenizer", str(hf)]
+    result = run("rl_agent.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"})
+    assert result.returncode == 0, result.stderr
+    assert "--nnodes 2 --nproc-per-node 8" in result.stdout
+    assert "-m megatron_mimesis.rl.agent_rl --config launch/configs/rl_agent_9b.yaml" in result.stdout
+    resolved = trainer_json(result.stdout)
+    assert resolved["world_size"] == 16 and resolved["data_parallel_size"] == 4
+    config = resolved["config"]
+    assert (config["rollouts_per_prompt"], config["gamma"], config["train_iters"]) == (8, 0.8, 100)
+    assert (config["csd_alpha"], config["csd_beta"], config["env"], config["engine"]) == (0.01, 5.0, "tau2", "vllm")
+    assert resolved["rollouts_per_step"] == 16 * 8
+
+
+def test_rl_agent_local_dry_run_without_gpu_is_the_toy_demo(fake):
+    tmp_path, env = fake
+    tokenizer, checkpoint = tmp_path / "demo-tok", tmp_path / "demo-ckpt"  # what the mid-training demo leaves
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    (checkpoint / "iter_0000200").mkdir(parents=True)
+    (checkpoint / "iter_0000200" / ".metadata").write_text("")
+    (checkpoint / "latest").write_text("200")
+    result = run("rl_agent.sh", ["--dry-run", "--tokenizer", str(tokenizer), "--load", str(checkpoint)], env)
+    assert result.returncode == 0, result.stderr
+    assert "--standalone --nnodes 1 --nproc-per-node 2" in result.stdout
+    config = trainer_json(result.stdout)["config"]
+    assert (config["env"], config["user_model"], config["coach"]) == ("toy", "scripted", "scripted")
