@@ -146,10 +146,14 @@ def masked_mean(values, loss_mask):
 
 
 def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advantages, *, teacher_logprobs=None,
-                              csd_alpha=0.0, csd_beta=5.0, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None,
-                              ratio_upper_clamp=None, loss_agg="token-mean", cu_seqlens=None, normalizer=None,
-                              return_entropy=False):
-    """L_GRPO + alpha L_CSD from per-token student log-probs, plus detached metrics.
+                              csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0, clip_eps_low=0.2,
+                              clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None, loss_agg="token-mean",
+                              cu_seqlens=None, normalizer=None, return_entropy=False):
+    """L_GRPO + alpha L_CSD (+ kl_coef KL to a reference) from per-token student log-probs, plus detached metrics.
+
+    The KL term (with ``ref_logprobs``) is the k3 estimator of KL(new || ref) per token, exp(d) - d - 1 with
+    d = ref - new clamped to [-20, 20] and the result to at most 10, as veRL's "low_var_kl": unbiased, always
+    non-negative, and bounded when a token's reference log-prob is far off.
 
     Metrics are means over this call's loss tokens: clip fractions (low: r < 1-eps_low with A < 0, high:
     r > 1+eps_high with A > 0), approx KL (Schulman's k3 estimator of KL(old || new): (r - 1) - log r),
@@ -178,6 +182,14 @@ def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advant
         loss = loss + csd_alpha * csd_loss
         metrics["csd_loss"] = csd_loss.detach()
         metrics["mean_gate"] = masked_mean(gate, loss_mask)
+    if ref_logprobs is not None:
+        log_ratio_ref = (torch.where(loss_mask.bool(), _fp32_or_wider(ref_logprobs), logprobs.detach())
+                         - logprobs).clamp(-20.0, 20.0)
+        kl = (log_ratio_ref.exp() - log_ratio_ref - 1.0).clamp(max=10.0)
+        kl_loss = aggregate(kl, loss_mask, loss_agg, cu_seqlens, normalizer)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+        metrics["kl_ref"] = masked_mean(kl.detach(), loss_mask)
     if return_entropy:
         metrics["entropy"] = entropy.detach()
     return loss, metrics

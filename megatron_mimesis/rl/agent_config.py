@@ -5,9 +5,9 @@ environment, the user model, returns and the coach. Defaults are the paper's sta
 from dataclasses import dataclass, field
 
 from megatron_mimesis.rl.config import RLConfig
+from megatron_mimesis.rl.envs import ENVS
 from megatron_mimesis.training.config import ConfigError
 
-ENVS = ("toy", "tau2")
 USER_MODELS = ("openai", "scripted")  # "scripted": the env's own scripted user (the toy env has one)
 COACHES = ("none", "openai", "policy", "scripted")  # "policy": the agent's own engine writes the notes
 

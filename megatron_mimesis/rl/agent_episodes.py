@@ -6,7 +6,7 @@ agent's opening greeting, when the task has one). An agent generation is one ass
 text goes to the user, its tool calls are run by the episode's env and the results come back to the agent,
 which then moves again; a message without tool calls hands the turn to the user. The episode ends when the
 user writes its stop marker ("user_stop"), after ``max_agent_turns`` agent generations ("max_turns"), or
-when the user model fails ("error: ...", not scored and counted by the caller).
+when the user model or an endpoint agent fails ("error: ...", not scored and counted by the caller).
 
 Privileged information has one way in. The user's thinking is stored beside the transcript (``user_thinking``),
 never in a message; the coach's notes (``csd.py``) exist only after rollouts; and every agent context is
@@ -165,6 +165,9 @@ class AgentEpisodeRunner:
         to_user, to_agent = [], []
         for i, context, generation in zip(indices, contexts, generations, strict=True):
             episode = episodes[i]
+            if generation.finish_reason.startswith("error"):  # an endpoint engine that could not answer
+                episode.termination = f"error: agent: {generation.finish_reason}"
+                continue
             _, public = self.renderer.split_thinking(generation.text)
             text, calls = parse_tool_calls(public, id_prefix=f"{episode.rollout_id}-{len(episode.turns)}")
             episode.turns.append(AgentTurn(len(episode.messages), context, list(generation.token_ids),
@@ -187,8 +190,9 @@ def score_episodes(episodes: list[AgentEpisode]) -> dict[str, int]:
     greeting is the env's, not a policy action). Returns failure counts by reason."""
     failures: dict[str, int] = {}
     for episode in episodes:
-        if episode.termination.startswith("error"):
-            failures["episode_error"] = failures.get("episode_error", 0) + 1
+        if episode.termination.startswith("error"):  # "error: agent: ..." or "error: user model: ..."
+            reason = episode.termination.split(":")[1].strip().replace(" ", "_") + "_error"
+            failures[reason] = failures.get(reason, 0) + 1
             continue
         score = episode.env.score(episode.messages, episode.termination)
         episode.score_info = dict(score.info)
@@ -196,6 +200,7 @@ def score_episodes(episodes: list[AgentEpisode]) -> dict[str, int]:
         if score.error is None and len(score.turn_rewards) != len(assistant):
             score.error = f"{len(score.turn_rewards)} rewards for {len(assistant)} assistant messages"
         if score.error is not None:
+            episode.score_info["error"] = score.error
             reason = f"score: {score.error.split(':')[0]}"
             failures[reason] = failures.get(reason, 0) + 1
             continue

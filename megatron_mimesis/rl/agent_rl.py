@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_mimesis.rl.agent_config import AgentRLConfig
+from megatron_mimesis.rl.envs import build_suite
 from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, std
 from megatron_mimesis.training.config import ConfigError, parse_config
 
@@ -61,16 +62,6 @@ class TaskSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def build_suite(config: AgentRLConfig):
-    if config.env == "toy":
-        from megatron_mimesis.rl.envs.toy import ToySuite
-
-        return ToySuite(**config.env_options)
-    from megatron_mimesis.rl.envs.tau2 import Tau2Suite
-
-    return Tau2Suite(**config.env_options)
-
-
 def build_user_model(config: AgentRLConfig):
     if config.user_model == "scripted":
         from megatron_mimesis.rl.envs.toy import toy_user
@@ -99,7 +90,7 @@ class AgentRL(RLLoop):
 
         super().__init__(config)
         c = config
-        self.suite = build_suite(c)
+        self.suite = build_suite(c.env, c.env_options)
         self.sampler = TaskSampler(self.suite.task_ids(c.train_split), c.seed)
         self.renderer = ChatRenderer(self.tokenizer, thinking=c.thinking)
         self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p)
@@ -190,7 +181,6 @@ class AgentRL(RLLoop):
     def step(self, step: int) -> dict:
         from megatron_mimesis.rl.agent_episodes import agent_rows
         from megatron_mimesis.rl.csd import gate_statistics
-        from megatron_mimesis.rl.policy_step import PolicyLossConfig
 
         c = self.config
         start = time.perf_counter()
@@ -213,10 +203,11 @@ class AgentRL(RLLoop):
             record["teacher_time_s"] = time.perf_counter() - start
         update, summaries = self.gather_and_update(
             [row for row, _, _ in rows], [_summary(e) for e in episodes],
-            PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c,
-                             csd_alpha=c.csd_alpha, csd_beta=c.csd_beta), teacher)
+            self.loss_config(csd_alpha=c.csd_alpha, csd_beta=c.csd_beta), teacher)
         record.update(update)
         record.update(_rollout_metrics(summaries))
+        # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)
+        record["rollout_tokens_per_s"] = sum(s["response_tokens"] for s in summaries) / self.dp_size / rollout_time
         if teacher is not None:
             record.update(gate_statistics(teacher, [row.response_logprobs for row, _, _ in rows], c.csd_beta))
         return record

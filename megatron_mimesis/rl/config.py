@@ -38,6 +38,10 @@ class RLConfig(TrainConfig):
     dual_clip_c: float | None = None
     max_tokens_per_microbatch: int = 32768
     min_valid_rollouts: int = 2  # a group with fewer scored rollouts contributes no gradient (counted)
+    # KL to a frozen reference model (off, as in the paper): kl_coef * k3 KL(policy || reference) per token;
+    # kl_reference is its weights, an HF directory or a dist checkpoint directory (weights only are read)
+    kl_coef: float = 0.0
+    kl_reference: str | None = None
 
     def validate_rl(self, world_size: int) -> None:
         self.validate_model_and_optimizer(world_size)
@@ -55,6 +59,11 @@ class RLConfig(TrainConfig):
             raise ConfigError("min_valid_rollouts must be at least 2")
         if self.generation_timeout_s is not None and self.generation_timeout_s <= 0:
             raise ConfigError("generation_timeout_s must be positive")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be non-negative, got {self.kl_coef}")
+        if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
+            raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
+                              f"{self.kl_reference!r}")
 
 
 @dataclass

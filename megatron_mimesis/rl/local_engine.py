@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_mimesis.rl.engine import sample_tokens
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
 
@@ -102,7 +103,7 @@ class LocalEngine:
             logits = self.last_logits([prompts[i] + responses[i] for i in active])
             picked = torch.zeros(2, len(active), device=self.device)
             if logits is not None:
-                tokens = _sample(logits, sampling, generator)
+                tokens = sample_tokens(logits, sampling, generator)
                 picked[0] = tokens.float()
                 picked[1] = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
             picked = self._share_from_last_stage(picked)
@@ -120,15 +121,3 @@ class LocalEngine:
             m.train()
         return [Generation(token_ids=r, text=self.tokenizer.decode(r, skip_special_tokens=False), logprobs=lp,
                            finish_reason=f) for r, lp, f in zip(responses, logprobs, finish, strict=True)]
-
-
-def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    if sampling.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > sampling.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -47,6 +47,31 @@ class RLLoop:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.reference = self._reference_model() if config.kl_coef else None
+
+    def _reference_model(self) -> list:
+        """The frozen reference for the KL term: the policy's architecture and layout, its own weights, no grad."""
+        from pathlib import Path
+
+        from megatron_mimesis.training.checkpointing import load_model_weights
+
+        chunks = self.trainer.build_chunks()
+        source = self.config.kl_reference
+        if (Path(source) / "config.json").exists():
+            self.trainer.load_hf(chunks, source)
+        else:
+            load_model_weights(source, chunks, vars(self.config.preset))
+        for chunk in chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+        return chunks
+
+    def loss_config(self, **extra):
+        from megatron_mimesis.rl.policy_step import PolicyLossConfig
+
+        c = self.config
+        return PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c,
+                                kl_coef=c.kl_coef, **extra)
 
     def step(self, step: int) -> dict:
         raise NotImplementedError
@@ -60,17 +85,25 @@ class RLLoop:
         """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
         groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
         rollouts, take one optimizer step and refresh the engine. ``teacher``: per-row teacher log-probs (CSD).
-        Returns the update's record and all ranks' summaries."""
+        With a KL reference, each rank first scores its own rows under it. Returns the update's record and all
+        ranks' summaries."""
         from megatron_mimesis.kernels import foldgrpo_advantages
         from megatron_mimesis.rl.engines import refresh_engine
         from megatron_mimesis.rl.policy_step import policy_update
 
         c = self.config
+        ref = None
+        if self.reference is not None:
+            from megatron_mimesis.rl.scoring import score_rows
+
+            ref = score_rows(self.reference, [(r.context_ids, r.response_ids) for r in rows],
+                             c.max_tokens_per_microbatch, self.device)
         gathered = [None] * self.dp_size
-        dist.all_gather_object(gathered, (rows, summaries, teacher), group=self.dp_group)
-        rows = [r for part, _, _ in gathered for r in part]
-        summaries = [s for _, part, _ in gathered for s in part]
-        teacher = [t for _, _, part in gathered for t in part] if teacher is not None else None
+        dist.all_gather_object(gathered, (rows, summaries, teacher, ref), group=self.dp_group)
+        rows = [r for part, _, _, _ in gathered for r in part]
+        summaries = [s for _, part, _, _ in gathered for s in part]
+        teacher = [t for _, _, part, _ in gathered for t in part] if teacher is not None else None
+        ref = [t for _, _, _, part in gathered for t in part] if ref is not None else None
         valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
         keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
         record = {"rows": len(rows), "rows_trained": len(keep),
@@ -88,6 +121,7 @@ class RLLoop:
             self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept, advantages, loss_config,
             c.max_tokens_per_microbatch, self.device,
             teacher_logprobs=[teacher[i] for i in keep] if teacher is not None else None,
+            ref_logprobs=[ref[i] for i in keep] if ref is not None else None,
         ))
         record["train_time_s"] = time.perf_counter() - start
         start = time.perf_counter()

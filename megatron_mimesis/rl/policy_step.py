@@ -23,7 +23,8 @@ from megatron_mimesis.kernels import fused_linear_policy_loss
 from megatron_mimesis.rl.types import TrainingRow
 from megatron_mimesis.training.loss import fused_loss_inputs
 
-TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "old_logprobs", "advantages", "teacher_logprobs", "position_ids")
+TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "old_logprobs", "advantages", "teacher_logprobs", "ref_logprobs",
+                "position_ids")
 
 
 @dataclass(frozen=True)
@@ -33,22 +34,26 @@ class PolicyLossConfig:
     dual_clip_c: float | None = None
     csd_alpha: float = 0.0
     csd_beta: float = 5.0
+    kl_coef: float = 0.0
 
 
-def row_sample(row: TrainingRow, advantage: float, teacher_logprobs: list[float] | None = None) -> dict:
+def row_sample(row: TrainingRow, advantage: float, teacher_logprobs: list[float] | None = None,
+               ref_logprobs: list[float] | None = None) -> dict:
     """Token-level arrays of one row; position i predicts token i + 1."""
     tokens = row.context_ids + row.response_ids
     n, start = len(tokens), len(row.context_ids) - 1
     if len(row.response_logprobs) != len(row.response_ids) or start < 0:
         raise ValueError("a row needs a non-empty context and one log-prob per response token")
     zeros = [0.0] * n
-    mask, old, adv, teacher = list(zeros), list(zeros), list(zeros), list(zeros)
+    mask, old, adv, teacher, ref = list(zeros), list(zeros), list(zeros), list(zeros), list(zeros)
     for k, logprob in enumerate(row.response_logprobs):
         mask[start + k], old[start + k], adv[start + k] = 1.0, logprob, advantage
         if teacher_logprobs is not None:
             teacher[start + k] = teacher_logprobs[k]
+        if ref_logprobs is not None:
+            ref[start + k] = ref_logprobs[k]
     return {"tokens": tokens, "labels": tokens[1:] + [0], "loss_mask": mask, "old_logprobs": old,
-            "advantages": adv, "teacher_logprobs": teacher, "position_ids": list(range(n))}
+            "advantages": adv, "teacher_logprobs": teacher, "ref_logprobs": ref, "position_ids": list(range(n))}
 
 
 def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
@@ -104,7 +109,8 @@ def _policy_output_processor(loss_config: PolicyLossConfig, batch: dict, *, hidd
     loss_sum, metrics = fused_linear_policy_loss(
         hidden, weight, flat["labels"], flat["loss_mask"].to(hidden.dtype), flat["old_logprobs"], flat["advantages"],
         teacher_logprobs=flat["teacher_logprobs"] if loss_config.csd_alpha else None,
-        csd_alpha=loss_config.csd_alpha, csd_beta=loss_config.csd_beta, clip_eps_low=loss_config.clip_eps_low,
+        csd_alpha=loss_config.csd_alpha, csd_beta=loss_config.csd_beta,
+        ref_logprobs=flat["ref_logprobs"] if loss_config.kl_coef else None, kl_coef=loss_config.kl_coef, clip_eps_low=loss_config.clip_eps_low,
         clip_eps_high=loss_config.clip_eps_high, dual_clip_c=loss_config.dual_clip_c, normalizer=1.0,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
     )
@@ -120,10 +126,10 @@ def _forward_step(loss_config, data_iterator, model):
         loss_sum, metrics = result
         tokens = batch["loss_mask"].sum()
         logged = {"loss": torch.stack([loss_sum.detach().clone().float(), tokens.float()])}
-        for name in ("pg_loss", "csd_loss"):  # sums over the micro-batch's tokens (normalizer 1)
+        for name in ("pg_loss", "csd_loss", "kl_loss"):  # sums over the micro-batch's tokens (normalizer 1)
             if name in metrics:
                 logged[name] = torch.stack([metrics[name].detach().float(), tokens.float()])
-        for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate"):
+        for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate", "kl_ref"):
             if name in metrics:  # per-micro-batch means, weighted by tokens when reduced
                 logged[name] = torch.stack([metrics[name].detach().float() * tokens, tokens.float()])
         return loss_sum, tokens.to(torch.int), logged
@@ -133,10 +139,12 @@ def _forward_step(loss_config, data_iterator, model):
 
 def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], advantages: list[float],
                   loss_config: PolicyLossConfig, max_tokens_per_microbatch: int, device,
-                  teacher_logprobs: list[list[float]] | None = None) -> dict:
+                  teacher_logprobs: list[list[float]] | None = None,
+                  ref_logprobs: list[list[float]] | None = None) -> dict:
     """One optimizer step on ``rows``; collective over all ranks, which must pass identical rows. Returns the
     step's token-mean loss and metrics (on every rank) and the optimizer's grad norm."""
-    samples = [row_sample(r, a, teacher_logprobs[i] if teacher_logprobs else None)
+    samples = [row_sample(r, a, teacher_logprobs[i] if teacher_logprobs else None,
+                          ref_logprobs[i] if ref_logprobs else None)
                for i, (r, a) in enumerate(zip(rows, advantages, strict=True))]
     plan = plan_microbatches([len(s["tokens"]) for s in samples],
                              parallel_state.get_data_parallel_world_size(), max_tokens_per_microbatch)
@@ -168,7 +176,8 @@ def _reduce(losses: list[dict], device) -> dict:
     """Token-weighted means over micro-batches, shared by the last pipeline stage with all data-parallel ranks."""
     import torch.distributed as dist
 
-    names = ("loss", "pg_loss", "csd_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate")
+    names = ("loss", "pg_loss", "csd_loss", "kl_loss", "clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate",
+             "kl_ref")
     totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
     for item in losses:
         for k, name in enumerate(names):

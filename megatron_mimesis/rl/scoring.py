@@ -16,16 +16,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mimesis.data.collate import packed_seq_params
 from megatron_mimesis.kernels import fused_linear_logprobs
-from megatron_mimesis.rl.policy_step import collate_rows, plan_microbatches
+from megatron_mimesis.rl.policy_step import TOKEN_FIELDS, collate_rows, plan_microbatches
 from megatron_mimesis.training.loss import fused_loss_inputs
 
 
 def _sample(context_ids: list[int], response_ids: list[int]) -> dict:
+    """A row in the policy step's micro-batch format; only tokens, labels and positions matter here."""
     tokens = context_ids + response_ids
-    n = len(tokens)
-    zeros = [0.0] * n
-    return {"tokens": tokens, "labels": tokens[1:] + [0], "loss_mask": zeros, "old_logprobs": zeros,
-            "advantages": zeros, "teacher_logprobs": zeros, "position_ids": list(range(n))}
+    sample = {name: [0.0] * len(tokens) for name in TOKEN_FIELDS}
+    sample.update(tokens=tokens, labels=tokens[1:] + [0], position_ids=list(range(len(tokens))))
+    return sample
 
 
 def _logprob_output_processor(target_ids, *, hidden_states, output_layer, output_weight, config, **_):

@@ -100,9 +100,7 @@ class SimulatorRL(RLLoop):
 
     def step(self, step: int) -> dict:
         from megatron_mimesis.rl.episodes import fold_rows
-        from megatron_mimesis.rl.policy_step import PolicyLossConfig
 
-        c = self.config
         start = time.perf_counter()
         episodes, prompts_by_id = self._rollouts(step)
         reward_failures = self._score(episodes, prompts_by_id)
@@ -110,9 +108,11 @@ class SimulatorRL(RLLoop):
         rollout_time = time.perf_counter() - start
         record, summaries = self.gather_and_update(
             rows, [_summary(e, reward_failures) for e in episodes],
-            PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c))
+            self.loss_config())
         record.update(_rollout_metrics(summaries))
         record["rollout_time_s"] = rollout_time
+        # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)
+        record["rollout_tokens_per_s"] = sum(s["response_tokens"] for s in summaries) / self.dp_size / rollout_time
         return record
 
 
@@ -136,6 +136,7 @@ def _rollout_metrics(summaries) -> dict:
     }
     for domain in sorted({s["domain"] for s in scored}):
         record[f"reward/{domain}"] = mean([s["reward"] for s in scored if s["domain"] == domain])
+        record[f"reward_std/{domain}"] = std([s["reward"] for s in scored if s["domain"] == domain])
     for reason, count in Counter(s["finished"] for s in summaries).items():
         record[f"finished/{reason}"] = count
     return record

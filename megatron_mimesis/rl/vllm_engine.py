@@ -36,12 +36,11 @@ vLLM behaviour relied on, checked in the vLLM 0.33.0 sources (the [gpu] extra's 
   stop decision to ``stop_token_ids`` alone (``v1/core/sched/utils.py``, ``check_stop``).
 """
 
-import hashlib
-import itertools
 import tempfile
 
 import torch
 
+from megatron_mimesis.rl.engine import SeedStream
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
 # The rows of these tensors are the vocabulary: megatron pads them (to a multiple of 64 x TP), HF and vLLM do not.
@@ -80,13 +79,6 @@ def check_vllm_config(config) -> None:
         raise ConfigError(f"engine_options: {fixed} are set by the vLLM engine itself")
 
 
-def request_seeds(key: str, count: int) -> list[int]:
-    """One seed per request of a call: distinct within the call (identical prompts draw independent samples), a
-    function of the call's key alone (the call reproduces), unrelated across keys; 63 bits fit a signed int64."""
-    return [int.from_bytes(hashlib.blake2b(f"{key}/{i}".encode(), digest_size=8).digest(), "little") >> 1
-            for i in range(count)]
-
-
 def hf_shaped(named_tensors, vocab_size: int, padded_vocab: int):
     """The synced tensors in HF shapes, lazily: megatron's vocabulary padding rows dropped, any other row count an
     error (vLLM's loaders would otherwise shard the wrong rows)."""
@@ -108,7 +100,7 @@ class VLLMEngine:
     def __init__(self, preset, tokenizer, tensor_parallel_size: int, options: dict):
         self._vllm = import_vllm()
         self.tokenizer = tokenizer  # decodes the text: the same tokenizer, and call, as the local engine's
-        self.seed = options.get("seed", 0)
+        self.seeds = SeedStream(options.get("seed", 0))
         self._model_dir = tempfile.TemporaryDirectory(prefix="mimesis-vllm-")
         preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype="bfloat16").save_pretrained(
             self._model_dir.name)
@@ -125,7 +117,6 @@ class VLLMEngine:
             **options,
         )
         self._asleep: set[str] = set()  # the sleep tags not woken yet
-        self._unseeded_calls = itertools.count()
 
     @classmethod
     def from_config(cls, config, trainer, tokenizer) -> "VLLMEngine":
@@ -166,15 +157,13 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Generation]:
-        key = (f"seed {sampling.seed}" if sampling.seed is not None
-               else f"engine seed {self.seed}, unseeded call {next(self._unseeded_calls)}")
         params = [
             self._vllm.SamplingParams(
                 n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                 stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, seed=seed, logprobs=0,
                 detokenize=False,
             )
-            for seed in request_seeds(key, len(prompts))
+            for seed in self.seeds.for_call(sampling, len(prompts))
         ]
         outputs = self.llm.generate([self._vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)

@@ -94,12 +94,9 @@ class Trainer:
         self.tf_config = transformer_config(c.preset, c.parallel, params_dtype=dtype,
                                             calculate_per_token_loss=True, **recompute)
         self.provider = ModelProvider(c.preset, self.tf_config)
-        vpp = c.virtual_pipeline_model_parallel_size
-        chunks = [self.provider(vp_stage=i) for i in range(vpp)] if vpp else [self.provider()]
-        for chunk in chunks:
-            chunk.to(self.device)
+        chunks = self.build_chunks()
         if c.pretrained_hf:
-            self._load_hf(chunks)
+            self.load_hf(chunks, c.pretrained_hf)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=c.overlap_grad_reduce,
             overlap_param_gather=c.overlap_param_gather, use_distributed_optimizer=c.use_distributed_optimizer,
@@ -126,11 +123,17 @@ class Trainer:
             start_wd=c.weight_decay, end_wd=c.weight_decay, wd_incr_steps=c.train_iters, wd_incr_style="constant",
         )
 
-    def _load_hf(self, chunks):
+    def build_chunks(self) -> list:
+        """This rank's model chunks (one per virtual pipeline stage), unwrapped, on the compute device."""
+        vpp = self.config.virtual_pipeline_model_parallel_size
+        chunks = [self.provider(vp_stage=i) for i in range(vpp)] if vpp else [self.provider()]
+        return [chunk.to(self.device) for chunk in chunks]
+
+    def load_hf(self, chunks, path: str) -> None:
         from megatron_mimesis.models.hf_io import LazyHFState
         from megatron_mimesis.models.hf_weights import load_hf_weights
 
-        state = LazyHFState(self.config.pretrained_hf)
+        state = LazyHFState(path)
         for chunk in chunks:
             load_hf_weights(chunk, state, self.config.preset, self.provider.padded_vocab_size)
 

@@ -92,3 +92,26 @@ def test_csd_gradient_is_gradient_of_gated_nll_with_detached_gate():
     gate = torch.sigmoid(5.0 * (teacher - log_p)).detach()
     (expected,) = torch.autograd.grad(-(gate * log_p).mean(), logits)
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_kl_term_is_k3_by_hand_and_vanishes_at_the_reference():
+    torch.manual_seed(3)
+    n, kl_coef = 10, 0.1
+    logprobs = (-torch.rand(n, dtype=torch.float64) * 3).requires_grad_()
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.float64)
+    old, advantages = logprobs.detach(), torch.zeros(n, dtype=torch.float64)  # GRPO term constant
+    reference_lp = logprobs.detach() + torch.randn(n, dtype=torch.float64)
+    reference_lp[3] = -1e4  # a masked position with a far-off reference must not leak inf/NaN
+    loss, metrics = ref.policy_loss_from_logprobs(logprobs, None, mask, old, advantages, ref_logprobs=reference_lp,
+                                                        kl_coef=kl_coef)
+    loss.backward()
+    d = (reference_lp - logprobs.detach()) * mask
+    k3 = d.exp() - d - 1
+    assert metrics["kl_ref"].item() == pytest.approx((k3 * mask).sum().item() / mask.sum().item())
+    # d/dl [exp(ref - l) - (ref - l) - 1] = 1 - exp(ref - l), times kl_coef / loss tokens; the GRPO term's gradient
+    # at ratio 1 with zero advantages is 0
+    expected = kl_coef * (1 - d.exp()) * mask / mask.sum()
+    assert torch.allclose(logprobs.grad, expected, rtol=1e-10, atol=1e-12)
+    same, metrics = ref.policy_loss_from_logprobs(logprobs.detach(), None, mask, old, advantages,
+                                                        ref_logprobs=logprobs.detach(), kl_coef=kl_coef)
+    assert metrics["kl_ref"].item() == 0.0 and same.item() == pytest.approx(0.0, abs=1e-12)

@@ -93,5 +93,5 @@ def test_user_model_failure_leaves_the_episode_unscored_and_counted():
 
     episodes, _, _, _ = _run([], user=Failing())
     assert all(e.termination == "error: user model: endpoint down" for e in episodes)
-    assert score_episodes(episodes) == {"episode_error": 2}
+    assert score_episodes(episodes) == {"user_model_error": 2}
     assert agent_rows(episodes, 0.8, "toy") == []

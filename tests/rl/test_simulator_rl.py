@@ -76,3 +76,16 @@ def test_resumed_rl_run_continues_exactly(tiny_dataset, tiny_hf_checkpoint, tmp_
     full = [[r.get(k) for k in keys] for r in read_metrics(tmp_path / "full")]
     resumed = [[r.get(k) for k in keys] for r in read_metrics(tmp_path / "part")]
     assert resumed == full  # same prompts (sampler state), same rollouts (per-step seeds), same updates
+
+
+@pytest.mark.slow
+def test_kl_to_the_reference_starts_at_zero_and_grows_as_the_policy_moves(tiny_dataset, tiny_hf_checkpoint,
+                                                                          tmp_path):
+    run_trainer(1, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, "--train-iters", "4", "--max-new-tokens",
+                             "6", "--prompts-per-step", "2", "--rollouts-per-prompt", "2", "--kl-coef", "0.5",
+                             "--kl-reference", str(tiny_hf_checkpoint)), module="megatron_mimesis.rl.simulator_rl")
+    records = read_metrics(tmp_path / "run")
+    kl = [r["kl_ref"] for r in records]
+    assert kl[0] < 1e-6  # the policy starts from the reference's weights
+    assert kl[-1] > 1e-4, kl  # lr 1e-2 moves it away within a few steps
+    assert all(r["kl_loss"] == pytest.approx(r["kl_ref"]) for r in records)  # token means of the same k3 values
