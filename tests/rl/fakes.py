@@ -33,6 +33,11 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
+def logprob_of(k: int) -> float:
+    """The log-prob ``FakeOpenAIServer`` reports for the k-th token of a completion."""
+    return -(k + 1) / 4
+
+
 def logprobs_for(n: int) -> list[float]:
     """The log-probs ``ScriptedEngine`` reports for a generation of ``n`` tokens."""
     return [-(j + 1) / 8 for j in range(n)]
@@ -82,10 +87,21 @@ class RecordingCounterpart:
 class FakeOpenAIServer:
     """``POST /v1/chat/completions`` on an ephemeral port. It answers ``reply(messages)`` after first failing with
     the statuses in ``failures`` (one per request, with retry-after-ms: 1 so retries are quick), records every
-    request body, and fails every request with 500 when ``broken``."""
+    request body, and fails every request with 500 when ``broken``.
 
-    def __init__(self, reply=lambda messages: "ok " + messages[-1]["content"]):
+    ``POST /v1/completions`` answers ``complete(prompt)`` (the prompt as sent: token ids or text) the way
+    ``vllm serve`` does. With ``encode`` (text -> the ids the model sampled) the server knows the ids: a
+    completion ending in a requested ``stop_token_ids`` id stops there ("stop", ``stop_reason`` that id; else
+    "length"), ``logprobs`` come back as ``logprob_of(k)`` for the k-th token, and the vLLM extensions named in
+    ``id_fields`` are honoured (``return_token_ids``: ``token_ids``; ``return_tokens_as_token_ids``: logprob
+    tokens ``"token_id:{id}"``; remove them to play an older or non-vLLM server)."""
+
+    def __init__(self, reply=lambda messages: "ok " + messages[-1]["content"], complete=lambda prompt: "ok",
+                 encode=None):
         self.reply = reply
+        self.complete = complete
+        self.encode = encode
+        self.id_fields = {"return_token_ids", "return_tokens_as_token_ids"}
         self.requests: list[dict] = []
         self.failures: list[int] = []
         self.broken = False
@@ -122,13 +138,45 @@ class FakeOpenAIServer:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }
 
+    def _completion(self, body: dict) -> tuple[int, dict]:
+        with self.lock:
+            self.requests.append(body)
+            status = 500 if self.broken else (self.failures.pop(0) if self.failures else 200)
+        if status != 200:
+            return status, {"error": {"message": "scripted failure", "type": "server_error"}}
+        text = self.complete(body["prompt"])
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop", "stop_reason": None}
+        if self.encode is not None:
+            token_ids = self.encode(text)
+            if token_ids and token_ids[-1] in body.get("stop_token_ids", []):
+                choice["stop_reason"] = token_ids[-1]
+            else:
+                choice["finish_reason"] = "length"
+            if body.get("return_token_ids") and "return_token_ids" in self.id_fields:
+                choice["token_ids"] = token_ids
+            if body.get("logprobs") is not None:
+                as_ids = body.get("return_tokens_as_token_ids") and "return_tokens_as_token_ids" in self.id_fields
+                tokens = [f"token_id:{t}" if as_ids else f"<{t}>" for t in token_ids]
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": [logprob_of(k) for k in range(len(tokens))],
+                                      "top_logprobs": [{t: logprob_of(k)} for k, t in enumerate(tokens)],
+                                      "text_offset": list(range(len(tokens)))}
+        return 200, {
+            "id": f"cmpl-{len(self.requests)}",
+            "object": "text_completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
     def _handler(self):
         fake = self
+        routes = {"/v1/chat/completions": fake._answer, "/v1/completions": fake._completion}
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = fake._answer(body) if self.path == "/v1/chat/completions" else (404, {})
+                status, payload = routes[self.path](body) if self.path in routes else (404, {})
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -1,0 +1,138 @@
+import csv
+import importlib.util
+import json
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from megatron_mimesis.rl.envs.toy import code_of
+from tests.rl.fakes import FakeOpenAIServer
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "eval_agent.py"
+_spec = importlib.util.spec_from_file_location("eval_agent", SCRIPT)
+eval_agent = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(eval_agent)
+
+SMALL = ["--env", "toy", "--tasks", "2", "--max-agent-turns", "2", "--max-new-tokens", "8", "--no-progress"]
+
+
+@contextmanager
+def oracle_server(tokenizer):
+    """An agent endpoint that always answers the code the user asked for, briefly, after an empty thought."""
+
+    def complete(prompt):
+        item = re.findall(r"code for (\w+)", tokenizer.decode(prompt))[-1]
+        return f"</think>\n\n{code_of(item)}<|im_end|>"
+
+    with FakeOpenAIServer(complete=complete, encode=lambda text: tokenizer.encode(text, add_special_tokens=False)) \
+            as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tiny_dataset):
+    return tiny_dataset / "tokenizer"
+
+
+def test_two_agents_by_two_users(tiny_hf_checkpoint, tokenizer_dir, tmp_path, capsys):
+    out = tmp_path / "eval"
+    with oracle_server(AutoTokenizer.from_pretrained(tokenizer_dir)) as server:
+        code = eval_agent.main([*SMALL, "--agent", f"tiny=hf:{tiny_hf_checkpoint}",
+                                "--agent", f"oracle=openai:{server.base_url}@oracle", "--user", "alice=scripted:toy",
+                                "--user", "bob=scripted:toy", "--tokenizer", str(tokenizer_dir), "--output", str(out)])
+    assert code == 0
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.csv", "table.md", "scores.png", "episodes.jsonl"}
+    assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    results = json.loads((out / "results.json").read_text())
+    pairs = {(p["agent"], p["user"]): p for p in results["pairs"]}
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 8 and {e["status"] for e in episodes} == {"scored"}
+    for (agent, user), pair in pairs.items():
+        rewards = [e["reward"] for e in episodes if (e["agent"], e["user"]) == (agent, user)]
+        assert pair["n_episodes"] == pair["n_scored"] == 2 and pair["failures"] == {}
+        assert pair["score"] == pytest.approx(sum(rewards) / 2)
+        assert sorted(r for task in pair["task_rewards"].values() for r in task) == sorted(rewards)
+    # the oracle's first answer is brief and holds the code (1 + 1), and the user stops right there
+    assert pairs["oracle", "alice"]["score"] == pairs["oracle", "bob"]["score"] == 2.0
+    assert pairs["tiny", "alice"]["score"] < 2.0
+
+    users = ["alice", "bob"]
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [r["agent"] for r in rows] == ["tiny", "oracle"]
+    for row in rows:
+        scores = [pairs[row["agent"], u]["score"] for u in users]
+        assert [float(row[u]) for u in users] == pytest.approx(scores)
+        assert float(row["average"]) == pytest.approx(sum(scores) / 2)
+    assert [float(r["mean_rank"]) for r in rows] == [2.0, 1.0]  # the oracle ranks first for every user
+    assert [r["ranks"] for r in results["table"]] == [{"alice": 2.0, "bob": 2.0}, {"alice": 1.0, "bob": 1.0}]
+
+    markdown = (out / "table.md").read_text()
+    assert markdown.splitlines()[0] == "| Agent | alice | bob | Average | Mean rank |"
+    assert "| oracle | 2.000 | 2.000 | 2.000 | 1.00 |" in markdown
+    assert markdown in capsys.readouterr().out
+
+
+def test_failed_requests_are_left_out_and_counted(tokenizer_dir, tmp_path):
+    out = tmp_path / "eval"
+    with oracle_server(AutoTokenizer.from_pretrained(tokenizer_dir)) as server:
+        server.failures = [500] * 4  # the first agent request fails through all of the client's retries
+        code = eval_agent.main([*SMALL, "--agent", f"oracle=openai:{server.base_url}@oracle", "--user",
+                                "alice=scripted:toy", "--tokenizer", str(tokenizer_dir), "--concurrency", "1",
+                                "--output", str(out)])
+    assert code == 0
+    pair = json.loads((out / "results.json").read_text())["pairs"][0]
+    assert pair["failures"] == {"agent_error": 1} and (pair["n_episodes"], pair["n_scored"]) == (2, 1)
+    assert pair["task_rewards"] == {"toy-4": [None], "toy-5": [2.0]} and pair["score"] == 2.0
+    failed = json.loads((out / "episodes.jsonl").read_text().splitlines()[0])
+    assert failed["status"].startswith("failed: error: agent: error: completion request to http") and failed["reward"] is None
+    assert "oracle x alice: 1 of 2 episodes unscored (agent_error: 1)" in (out / "table.md").read_text()
+
+
+def test_refuses_a_non_empty_output_without_overwrite(tokenizer_dir, tmp_path, capsys):
+    (tmp_path / "old.txt").write_text("keep me")
+    args = [*SMALL, "--agent", "a=openai:http://127.0.0.1:9/v1@m", "--user", "u=scripted:toy",
+            "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path)]
+    assert eval_agent.main(args) == 2
+    assert capsys.readouterr().err.strip() == f"error: --output {tmp_path} is not empty; pass --overwrite to write into it"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--agent", "tiny"], "expected NAME=SPEC"),
+    (["--agent", "a=vllm:x"], "SPEC must be one of hf:..., openai:..."),
+    (["--agent", "a=scripted:toy"], "SPEC must be one of hf:..., openai:..."),
+    (["--agent", "a=hf:/no/such/dir"], "not an HF checkpoint directory"),
+    (["--agent", "a=openai:localhost:8000@m"], "expected openai:BASE_URL@MODEL"),
+    (["--agent", "a=openai:http://h/v1@m", "--agent", "a=openai:http://h/v1@n"], "names must be unique; repeated: a"),
+    (["--agent", "a=openai:http://h/v1@m", "--user", "u=scripted:tau2"], "scripted:toy is the only scripted user"),
+    (["--agent", "a=openai:http://h/v1@m", "--env-options", "[1]"], "--env-options must be a JSON object"),
+    (["--agent", "a=openai:http://h/v1@m", "--env-options", '{"colour": 1}'], "do not fit the toy env"),
+    (["--agent", "a=openai:http://h/v1@m", "--split", "dev"], "splits 'train' and 'test', not 'dev'"),
+    (["--agent", "a=openai:http://h/v1@m", "--tasks", "9"], "--tasks 9: split 'test' of toy has 4 tasks"),
+])
+def test_bad_input_is_one_line(flags, message, tokenizer_dir, tmp_path, capsys):
+    users = [] if "--user" in flags else ["--user", "u=scripted:toy"]
+    code = eval_agent.main([*SMALL, *flags, *users, "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_openai_agent_without_a_tokenizer_is_refused(tmp_path, capsys):
+    code = eval_agent.main([*SMALL, "--agent", "a=openai:http://h/v1@remote-name", "--user", "u=scripted:toy",
+                            "--output", str(tmp_path / "o")])
+    assert code == 2 and "an openai agent needs --tokenizer" in capsys.readouterr().err
+
+
+def test_ranks_share_ties_and_skip_missing_scores():
+    assert eval_agent.average_ranks({"a": 1.0, "b": 1.0, "c": 0.5}) == {"a": 1.5, "b": 1.5, "c": 3.0}
+    pairs = [{"agent": a, "user": u, "score": s} for a, u, s in
+             [("x", "u1", 0.5), ("y", "u1", 0.9), ("z", "u1", 0.5), ("x", "u2", 1.0), ("y", "u2", None),
+              ("z", "u2", 0.0)]]
+    rows = {r["agent"]: r for r in eval_agent.summarize(pairs, ["x", "y", "z"], ["u1", "u2"])}
+    assert rows["x"]["ranks"] == {"u1": 2.5, "u2": 1.0} and rows["x"]["mean_rank"] == 1.75
+    assert rows["x"]["average"] == 0.75
+    assert rows["y"]["ranks"] == {"u1": 1.0, "u2": None} and rows["y"]["average"] is rows["y"]["mean_rank"] is None

@@ -1,0 +1,380 @@
+"""Evaluate agents against a panel of user models on held-out tasks: the paper's Table 2.
+
+    python tools/eval_agent.py --env toy|tau2 [--env-options JSON] --agent NAME=SPEC [--agent ...]
+        --user NAME=SPEC [--user ...] --output DIR [--split test] [--tasks N] [--trials K] [--overwrite] ...
+
+SPEC is ``hf:PATH`` (an HF checkpoint sampled in this process), ``openai:BASE_URL@MODEL`` (a server: for an
+agent a ``/v1/completions`` endpoint that takes token ids, e.g. ``vllm serve``; for a user a chat endpoint), or,
+for a user on the toy env, ``scripted:toy``. An agent trained against one simulator can overfit to it, so every
+agent plays the same tasks against every user model, and the table reports each user's score, the average over
+users and the agent's mean rank across users (rank 1 = best for that user; ties share the average rank), which
+is robust to one user model's scale dominating the average.
+
+A pair's score is the mean episode reward (the sum of the agent turns' rewards; tau2's is its 0/1 task reward)
+over the episodes that could be scored. An episode whose user model or agent request failed, or that the env
+could not score, is left out and counted in the report: scoring it 0 would blame the agent for an outage.
+
+Writes results.json, table.csv, table.md, scores.png and episodes.jsonl (every episode's public transcript and
+rewards) to DIR. Exit status 0 on success, 2 with a one-line reason on bad input.
+"""
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from megatron_mimesis.rl.agent_episodes import AgentEpisodeRunner, score_episodes
+from megatron_mimesis.rl.chat import ChatRenderer
+from megatron_mimesis.rl.envs import ENVS, build_suite
+from megatron_mimesis.rl.envs.toy import toy_user
+from megatron_mimesis.rl.hf_engine import HFEngine
+from megatron_mimesis.rl.openai_engine import OpenAICompletionsEngine
+from megatron_mimesis.rl.types import SamplingParams
+from megatron_mimesis.rl.user_models import EngineUserModel, OpenAIUserModel
+
+AGENT_KINDS = ("hf", "openai")
+USER_KINDS = ("hf", "openai", "scripted")
+
+
+class EvalError(Exception):
+    """Bad input; the message is the one line printed."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: str  # "hf" | "openai" | "scripted"
+    target: str  # checkpoint path, base URL, or "toy"
+    model: str = ""  # the served model's name (openai)
+    tokenizer: str = ""  # tokenizer directory (hf, and openai agents)
+
+
+def parse_spec(text: str, role: str, kinds: tuple[str, ...], env: str, tokenizer: str | None) -> Spec:
+    name, eq, spec = text.partition("=")
+    if not eq or not name or not spec:
+        raise EvalError(f"--{role} {text!r}: expected NAME=SPEC")
+    kind, colon, target = spec.partition(":")
+    where = f"--{role} {name}"
+    if not colon or kind not in kinds or not target:
+        raise EvalError(f"{where}: SPEC must be one of {', '.join(k + ':...' for k in kinds)}, not {spec!r}")
+    if kind == "scripted":
+        if target != "toy" or env != "toy":
+            raise EvalError(f"{where}: scripted:toy is the only scripted user, and only for --env toy")
+        return Spec(name, kind, target)
+    if kind == "hf":
+        if not (Path(target) / "config.json").is_file():
+            raise EvalError(f"{where}: {target} is not an HF checkpoint directory (no config.json)")
+        return Spec(name, kind, target, tokenizer=_tokenizer_dir(where, tokenizer or target))
+    base_url, at, model = target.rpartition("@")
+    if not at or not model or not base_url.startswith(("http://", "https://")):
+        raise EvalError(f"{where}: expected openai:BASE_URL@MODEL with an http(s) URL, not {spec!r}")
+    if role == "user":
+        return Spec(name, kind, base_url, model)
+    if tokenizer is None and not Path(model).is_dir():
+        raise EvalError(f"{where}: an openai agent needs --tokenizer (the served model's tokenizer directory)")
+    return Spec(name, kind, base_url, model, _tokenizer_dir(where, tokenizer or model))
+
+
+def _tokenizer_dir(where: str, path: str) -> str:
+    if not (Path(path) / "tokenizer_config.json").is_file():
+        raise EvalError(f"{where}: no tokenizer in {path} (pass --tokenizer DIR)")
+    return path
+
+
+def parse_specs(texts: list[str], role: str, kinds: tuple[str, ...], env: str, tokenizer: str | None) -> list[Spec]:
+    specs = [parse_spec(t, role, kinds, env, tokenizer) for t in texts]
+    names = [s.name for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise EvalError(f"--{role} names must be unique; repeated: {', '.join(duplicates)}")
+    return specs
+
+
+def prepare_output(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise EvalError(f"--output {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise EvalError(f"--output {path} is not empty; pass --overwrite to write into it")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+# --------------------------------------------------------------------------- building the players
+def build_agent(spec: Spec, args):
+    """(engine, tokenizer) of an agent; an endpoint's failed requests come back as error generations, so that
+    the episodes they hit are counted as failed rather than ending the evaluation."""
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+    if spec.kind == "hf":
+        return HFEngine.from_pretrained(spec.target, tokenizer=tokenizer, seed=args.seed), tokenizer
+    return OpenAICompletionsEngine(spec.target, spec.model, tokenizer, timeout_s=args.request_timeout,
+                                   concurrency=args.concurrency, seed=args.seed, errors="return"), tokenizer
+
+
+def build_user(spec: Spec, args):
+    if spec.kind == "scripted":
+        return toy_user()
+    if spec.kind == "openai":
+        return OpenAIUserModel(spec.target, spec.model, max_tokens=args.user_max_new_tokens,
+                               temperature=args.user_temperature, timeout_s=args.request_timeout,
+                               concurrency=args.concurrency)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+    engine = HFEngine.from_pretrained(spec.target, tokenizer=tokenizer, seed=args.seed)
+    sampling = SamplingParams(max_new_tokens=args.user_max_new_tokens, temperature=args.user_temperature)
+    return EngineUserModel(engine, ChatRenderer(tokenizer, thinking=True), sampling)
+
+
+# --------------------------------------------------------------------------- one agent x user pair
+def run_pair(engine, tokenizer, user_model, suite, task_ids: list[str], args):
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=args.agent_thinking), user_model, sampling,
+                                args.max_agent_turns)
+    return runner.run(suite, task_ids, rollouts_per_task=args.trials, step_seed=args.seed)
+
+
+def score_pair(agent: str, user: str, episodes: list, task_ids: list[str]) -> dict:
+    """Score the episodes that ran to the end; the rest are counted by reason and kept out of the mean."""
+    failures = score_episodes(episodes)
+    rewards = {task_id: [] for task_id in task_ids}
+    for episode in episodes:  # an episode left out of scoring has no turn rewards, hence reward None
+        rewards[episode.task.task_id].append(episode_reward(episode))
+    scored = [r for task in rewards.values() for r in task if r is not None]
+    return {"agent": agent, "user": user, "score": sum(scored) / len(scored) if scored else None,
+            "n_episodes": len(episodes), "n_scored": len(scored), "failures": failures, "task_rewards": rewards}
+
+
+def episode_reward(episode) -> float | None:
+    return None if episode.turn_rewards is None else float(sum(episode.turn_rewards))
+
+
+def episode_records(agent: str, user: str, episodes: list) -> list[dict]:
+    trials: dict[str, int] = {}
+    records = []
+    for episode in episodes:
+        task_id = episode.task.task_id
+        trials[task_id] = trials.get(task_id, 0) + 1
+        failed = episode.termination.startswith("error")
+        status = (f"failed: {episode.termination}" if failed else "unscored" if episode.turn_rewards is None
+                  else "scored")
+        records.append({
+            "agent": agent, "user": user, "task_id": task_id, "trial": trials[task_id] - 1, "status": status,
+            "termination": episode.termination, "reward": episode_reward(episode),
+            "turn_rewards": episode.turn_rewards, "agent_finish_reasons": [t.finish_reason for t in episode.turns],
+            "score_info": episode.score_info, "messages": episode.messages,
+        })
+    return records
+
+
+# --------------------------------------------------------------------------- the table
+def average_ranks(scores: dict[str, float]) -> dict[str, float]:
+    """Rank 1 = the highest score; tied scores share the mean of the ranks they span."""
+    return {name: 1 + sum(v > s for v in scores.values()) + (sum(v == s for v in scores.values()) - 1) / 2
+            for name, s in scores.items()}
+
+
+def summarize(pairs: list[dict], agents: list[str], users: list[str]) -> list[dict]:
+    """One row per agent. A user on which an agent has no score leaves it unranked there, and its average and
+    mean rank undefined: they would not be comparable with the other agents'."""
+    score = {(p["agent"], p["user"]): p["score"] for p in pairs}
+    ranks = {}
+    for user in users:
+        scored = {a: score[a, user] for a in agents if score[a, user] is not None}
+        ranks.update({(a, user): r for a, r in average_ranks(scored).items()})
+    rows = []
+    for agent in agents:
+        scores = [score[agent, u] for u in users]
+        row_ranks = [ranks.get((agent, u)) for u in users]
+        complete = all(s is not None for s in scores)
+        rows.append({"agent": agent, "scores": dict(zip(users, scores, strict=True)),
+                     "ranks": dict(zip(users, row_ranks, strict=True)),
+                     "average": sum(scores) / len(scores) if complete else None,
+                     "mean_rank": sum(row_ranks) / len(row_ranks) if complete else None})
+    return rows
+
+
+def _cell(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def table_markdown(rows: list[dict], users: list[str], pairs: list[dict]) -> str:
+    header = ["Agent", *users, "Average", "Mean rank"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for row in rows:
+        cells = [row["agent"], *(_cell(row["scores"][u], 3) for u in users), _cell(row["average"], 3),
+                 _cell(row["mean_rank"], 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"- {p['agent']} x {p['user']}: {p['n_episodes'] - p['n_scored']} of {p['n_episodes']} episodes "
+             f"unscored ({', '.join(f'{k}: {v}' for k, v in sorted(p['failures'].items()))})"
+             for p in pairs if p["n_scored"] < p["n_episodes"]]
+    return "\n".join(lines + (["", "Left out of the scores:", *notes] if notes else [])) + "\n"
+
+
+def write_table_csv(path: Path, rows: list[dict], users: list[str]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["agent", *users, "average", "mean_rank"])
+        for row in rows:
+            values = [*(row["scores"][u] for u in users), row["average"], row["mean_rank"]]
+            writer.writerow([row["agent"], *("" if v is None else f"{v:.6g}" for v in values)])
+
+
+def plot_scores(path: Path, rows: list[dict], users: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [*users, "Average"]
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.0 + 0.6 * len(groups) * len(rows)), 4))
+    for k, row in enumerate(rows):
+        values = [row["scores"][u] for u in users] + [row["average"]]
+        bars = ax.bar([g + (k - (len(rows) - 1) / 2) * width for g in range(len(groups))],
+                      [math.nan if v is None else v for v in values], width, label=row["agent"])
+        ax.bar_label(bars, labels=[_cell(v, 2) for v in values], fontsize=8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("score (mean episode reward)")
+    ax.set_title("agents x user models")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _json_default(value):
+    return asdict(value) if is_dataclass(value) else str(value)
+
+
+# --------------------------------------------------------------------------- CLI
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agent", action="append", default=[], metavar="NAME=SPEC",
+                        help="an agent: hf:PATH or openai:BASE_URL@MODEL (repeatable)")
+    parser.add_argument("--user", action="append", default=[], metavar="NAME=SPEC",
+                        help="a user model: hf:PATH, openai:BASE_URL@MODEL or scripted:toy (repeatable)")
+    parser.add_argument("--env", required=True, choices=ENVS)
+    parser.add_argument("--env-options", default="{}", metavar="JSON", help='suite options as JSON, e.g. \'{"domain": "retail"}\'')
+    parser.add_argument("--split", default="test", help="task split (default: test, the held-out tasks)")
+    parser.add_argument("--tasks", type=int, metavar="N", help="evaluate the first N tasks of the split (default: all)")
+    parser.add_argument("--trials", type=int, default=1, metavar="K", help="episodes per task and pair (scores average them)")
+    parser.add_argument("--max-agent-turns", type=int, default=30, help="agent generations per episode")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="per agent generation")
+    parser.add_argument("--temperature", type=float, default=0.0, help="agent sampling temperature (0: greedy)")
+    parser.add_argument("--agent-thinking", action=argparse.BooleanOptionalAction, default=True,
+                        help="render agent prompts with the Qwen3.5 thinking template (as agent RL trains)")
+    parser.add_argument("--user-max-new-tokens", type=int, default=1024, help="per user turn (hf and openai users)")
+    parser.add_argument("--user-temperature", type=float, default=1.0, help="user model sampling temperature")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory for every agent and hf user (default: the "
+                                            "checkpoint's, or an openai agent's MODEL when it is a directory)")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per endpoint")
+    parser.add_argument("--request-timeout", type=float, default=600, help="seconds per endpoint request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory for results, tables, plot, episodes")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
+    """Everything that can be wrong with the input, checked before any model is loaded."""
+    if not args.agent or not args.user:
+        raise EvalError("give at least one --agent and one --user")
+    for flag in ("trials", "max_agent_turns", "max_new_tokens", "user_max_new_tokens", "concurrency"):
+        if getattr(args, flag) < 1:
+            raise EvalError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.tasks is not None and args.tasks < 1:
+        raise EvalError("--tasks must be at least 1")
+    if args.tokenizer is not None:
+        _tokenizer_dir("--tokenizer", args.tokenizer)
+    agents = parse_specs(args.agent, "agent", AGENT_KINDS, args.env, args.tokenizer)
+    users = parse_specs(args.user, "user", USER_KINDS, args.env, args.tokenizer)
+    try:
+        options = json.loads(args.env_options)
+    except json.JSONDecodeError as err:
+        raise EvalError(f"--env-options is not JSON: {err.msg}") from None
+    if not isinstance(options, dict):
+        raise EvalError("--env-options must be a JSON object")
+    if args.env == "tau2" and "domain" not in options:
+        raise EvalError('--env tau2 needs --env-options \'{"domain": ...}\'')
+    try:
+        suite = build_suite(args.env, options)
+        task_ids = suite.task_ids(args.split)
+    except TypeError as err:
+        raise EvalError(f"--env-options do not fit the {args.env} env: {err}") from None
+    except (KeyError, ValueError) as err:
+        raise EvalError(str(err.args[0] if err.args else err)) from None
+    if not task_ids:
+        raise EvalError(f"split {args.split!r} of {suite.name} has no tasks")
+    if args.tasks is not None:
+        if args.tasks > len(task_ids):
+            raise EvalError(f"--tasks {args.tasks}: split {args.split!r} of {suite.name} has {len(task_ids)} tasks")
+        task_ids = task_ids[:args.tasks]
+    prepare_output(args.output, args.overwrite)
+    return agents, users, suite, task_ids
+
+
+def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[str]) -> list[dict]:
+    user_models = {spec.name: build_user(spec, args) for spec in users}
+    episodes_per_pair = len(task_ids) * args.trials
+    pairs = []
+    with (open(args.output / "episodes.jsonl", "w") as log,
+          tqdm(total=len(agents) * len(users) * episodes_per_pair, unit="episode", desc="eval",
+               disable=args.no_progress, dynamic_ncols=True) as bar):
+        for agent in agents:
+            engine, tokenizer = build_agent(agent, args)
+            for user in users:
+                bar.set_postfix_str(f"{agent.name} x {user.name}")
+                episodes = run_pair(engine, tokenizer, user_models[user.name], suite, task_ids, args)
+                pair = score_pair(agent.name, user.name, episodes, task_ids)
+                pairs.append(pair)
+                for record in episode_records(agent.name, user.name, episodes):
+                    log.write(json.dumps(record, default=_json_default) + "\n")
+                log.flush()
+                bar.update(len(episodes))
+                tqdm.write(f"{agent.name} x {user.name}: score {_cell(pair['score'], 3)} "
+                           f"({pair['n_scored']}/{pair['n_episodes']} episodes scored)", file=sys.stderr)
+            del engine  # free its model before the next agent's is loaded
+    return pairs
+
+
+def write_outputs(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[str], pairs: list[dict]) -> str:
+    agent_names, user_names = [a.name for a in agents], [u.name for u in users]
+    rows = summarize(pairs, agent_names, user_names)
+    config = {"env": args.env, "suite": suite.name, "env_options": json.loads(args.env_options),
+              "split": args.split, "task_ids": task_ids, "trials": args.trials,
+              "max_agent_turns": args.max_agent_turns, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "agent_thinking": args.agent_thinking,
+              "user_max_new_tokens": args.user_max_new_tokens, "user_temperature": args.user_temperature,
+              "seed": args.seed, "agents": dict(text.split("=", 1) for text in args.agent),
+              "users": dict(text.split("=", 1) for text in args.user)}
+    results = {"config": config, "pairs": pairs, "table": rows}
+    (args.output / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_table_csv(args.output / "table.csv", rows, user_names)
+    markdown = table_markdown(rows, user_names, pairs)
+    (args.output / "table.md").write_text(markdown)
+    plot_scores(args.output / "scores.png", rows, user_names)
+    return markdown
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        agents, users, suite, task_ids = validate(args)
+    except (EvalError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.no_progress:
+        hf_logging.disable_progress_bar()
+    pairs = evaluate(args, agents, users, suite, task_ids)
+    print(write_outputs(args, agents, users, suite, task_ids, pairs), end="")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
