@@ -38,6 +38,10 @@ class AgentRLConfig(RLConfig):
     placebo_note: str = "Keep helping the user."
     csd_log_samples: int = 4  # coach notes (with thoughts and teacher context) written to csd_samples.jsonl per step
 
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.tasks_per_step * self.rollouts_per_prompt
+
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
         if self.env not in ENVS:

@@ -17,7 +17,6 @@ Coach failures drop that turn's CSD term (counted); env scoring failures leave t
 """
 
 import json
-import os
 import random
 import sys
 import time
@@ -26,8 +25,8 @@ from pathlib import Path
 
 from megatron_mimesis.rl.agent_config import AgentRLConfig
 from megatron_mimesis.rl.envs import build_suite
-from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, std
-from megatron_mimesis.training.config import ConfigError, parse_config
+from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, rl_main, std
+from megatron_mimesis.training.config import ConfigError
 
 
 class TaskSampler:
@@ -237,23 +236,8 @@ def _rollout_metrics(summaries) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, args = parse_config(argv, AgentRLConfig, prog="python -m megatron_mimesis.rl.agent_rl",
-                                description="Agent RL (GRPO + CSD) against a frozen user simulator on megatron-core.")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        config.validate(world_size)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(json.dumps({"config": config.to_dict(), "world_size": world_size,
-                          "data_parallel_size": config.data_parallel_size(world_size),
-                          "rollouts_per_step": config.tasks_per_step * config.rollouts_per_prompt}, indent=2))
-        return 0
-    from megatron_mimesis.training.train import run_to_completion
-
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    return run_to_completion(lambda: AgentRL(config).run())
+    return rl_main(argv, AgentRLConfig, AgentRL, prog="python -m megatron_mimesis.rl.agent_rl",
+                   description="Agent RL (GRPO + CSD) against a frozen user simulator on megatron-core.")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,10 @@ class SimulatorRLConfig(RLConfig):
     # OpenAICounterpart's keyword arguments, or for "scripted" {"reply": text}: a fixed answer (toy domains, tests)
     counterpart_options: dict = field(default_factory=dict)
 
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.rollouts_per_prompt
+
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
         if not self.prompts:

@@ -177,3 +177,30 @@ def std(values):
         return None
     m = mean(values)
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
+    """The RL entry points: parse and validate the config before any process group starts, print it on
+    ``--dry-run``, else run ``loop_cls(config)`` to completion."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from megatron_mimesis.training.config import parse_config
+    from megatron_mimesis.training.train import run_to_completion
+
+    config, args = parse_config(argv, config_cls, prog=prog, description=description)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config.validate(world_size)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(json.dumps({"config": config.to_dict(), "world_size": world_size,
+                          "data_parallel_size": config.data_parallel_size(world_size),
+                          "rollouts_per_step": config.rollouts_per_step}, indent=2))
+        return 0
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    return run_to_completion(lambda: loop_cls(config).run())

@@ -14,16 +14,13 @@ Inside a model-parallel group (TP x PP) every rank must see the same rollouts, s
 reward, which may call remote endpoints, run on the group's first rank and their answers are broadcast.
 """
 
-import json
-import os
 import sys
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 from megatron_mimesis.rl.config import SimulatorRLConfig
-from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, std
-from megatron_mimesis.training.config import ConfigError, parse_config
+from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, rl_main, std
+from megatron_mimesis.training.config import ConfigError
 
 
 class _LeaderCounterpart:
@@ -143,23 +140,8 @@ def _rollout_metrics(summaries) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, args = parse_config(argv, SimulatorRLConfig, prog="python -m megatron_mimesis.rl.simulator_rl",
-                                description="Simulator RL (FoldGRPO) of a Qwen3.5 user simulator on megatron-core.")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        config.validate(world_size)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(json.dumps({"config": config.to_dict(), "world_size": world_size,
-                          "data_parallel_size": config.data_parallel_size(world_size),
-                          "rollouts_per_step": config.prompts_per_step * config.rollouts_per_prompt}, indent=2))
-        return 0
-    from megatron_mimesis.training.train import run_to_completion
-
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    return run_to_completion(lambda: SimulatorRL(config).run())
+    return rl_main(argv, SimulatorRLConfig, SimulatorRL, prog="python -m megatron_mimesis.rl.simulator_rl",
+                   description="Simulator RL (FoldGRPO) of a Qwen3.5 user simulator on megatron-core.")
 
 
 if __name__ == "__main__":
