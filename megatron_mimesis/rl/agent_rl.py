@@ -132,7 +132,7 @@ class AgentRL(RLLoop):
 
     def _teacher(self, rows, step: int) -> tuple[list[list[float]], dict]:
         """Teacher log-probs per row (``NO_GATE`` where the coach gave no note) and the CSD counters."""
-        from megatron_mimesis.rl.csd import NO_GATE, coach_prompt, teacher_context
+        from megatron_mimesis.rl.csd import NO_GATE, coach_prompt, placebo_corrected, teacher_context
         from megatron_mimesis.rl.scoring import score_rows
 
         c = self.config
@@ -151,7 +151,7 @@ class AgentRL(RLLoop):
             placebo = score_rows(self.trainer.model, [
                 (teacher_context(self.renderer, rows[k][1], rows[k][2], c.placebo_note), rows[k][0].response_ids)
                 for k in coached], c.max_tokens_per_microbatch, self.device)
-            scored = [[t - p + s for t, p, s in zip(t_row, p_row, rows[k][0].response_logprobs, strict=True)]
+            scored = [placebo_corrected(t_row, p_row, rows[k][0].response_logprobs)
                       for k, t_row, p_row in zip(coached, scored, placebo, strict=True)]
         teacher = [[NO_GATE] * len(row.response_ids) for row, _, _ in rows]
         for k, logprobs in zip(coached, scored, strict=True):

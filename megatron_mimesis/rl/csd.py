@@ -119,6 +119,12 @@ def teacher_context(renderer: ChatRenderer, episode: AgentEpisode, turn_index: i
     return renderer.assistant_prompt(view)
 
 
+def placebo_corrected(teacher: list[float], placebo: list[float], student: list[float]) -> list[float]:
+    """l_teacher(note) - l_teacher(placebo note) + l_student per token: the gate then sees only what the note's
+    content changes, not the shift any extra system text causes."""
+    return [t - p + s for t, p, s in zip(teacher, placebo, student, strict=True)]
+
+
 def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 

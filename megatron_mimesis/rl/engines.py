@@ -1,7 +1,8 @@
 """The one place that picks the rollout engine from the config and keeps it in step with the trainer.
 
 The RL loops call ``build_rollout_engine`` once, ``engine.wake()`` / ``engine.sleep()`` around each step's
-rollouts, and ``refresh_engine`` after each optimizer step; nothing else knows which engine runs.
+rollouts, and ``refresh_engine`` after each optimizer step; the only other thing that depends on the engine is
+whether the sampler's log-probs can serve as the update's old log-probs (``samples_with_training_model``).
 """
 
 from megatron_mimesis.rl.generation_timeout import add_generation_timeout
@@ -20,8 +21,12 @@ def build_rollout_engine(config, trainer, tokenizer):
     return add_generation_timeout(engine, config.generation_timeout_s)
 
 
+def samples_with_training_model(engine, trainer) -> bool:
+    """The local engine over the training model itself: no weight sync, and its log-probs are the trainer's."""
+    return isinstance(engine, LocalEngine) and engine.model is trainer.model
+
+
 def refresh_engine(engine, trainer) -> None:
     """After an optimizer step: give the engine the new weights unless it samples from the training model."""
-    if isinstance(engine, LocalEngine) and engine.model is trainer.model:
-        return
-    sync_weights(engine, trainer.model, trainer.config.preset, trainer.provider.padded_vocab_size)
+    if not samples_with_training_model(engine, trainer):
+        sync_weights(engine, trainer.model, trainer.config.preset, trainer.provider.padded_vocab_size)

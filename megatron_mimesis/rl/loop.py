@@ -85,17 +85,21 @@ class RLLoop:
         """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
         groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
         rollouts, take one optimizer step and refresh the engine. ``teacher``: per-row teacher log-probs (CSD).
-        With a KL reference, each rank first scores its own rows under it. Returns the update's record and all
-        ranks' summaries."""
+        Each rank first prepares its own rows: the trainer's old log-probs when another engine sampled them
+        (``recompute_old_logprobs``), the reference's log-probs with a KL term. Returns the update's record and
+        all ranks' summaries."""
         from megatron_mimesis.kernels import foldgrpo_advantages
-        from megatron_mimesis.rl.engines import refresh_engine
+        from megatron_mimesis.rl.engines import refresh_engine, samples_with_training_model
         from megatron_mimesis.rl.policy_step import policy_update
+        from megatron_mimesis.rl.scoring import recompute_old_logprobs, score_rows
 
         c = self.config
+        mismatch = {}
+        if not samples_with_training_model(self.engine, self.trainer):
+            rows, mismatch = recompute_old_logprobs(self.trainer.model, rows, c.max_tokens_per_microbatch,
+                                                    self.device)
         ref = None
         if self.reference is not None:
-            from megatron_mimesis.rl.scoring import score_rows
-
             ref = score_rows(self.reference, [(r.context_ids, r.response_ids) for r in rows],
                              c.max_tokens_per_microbatch, self.device)
         gathered = [None] * self.dp_size
@@ -106,7 +110,7 @@ class RLLoop:
         ref = [t for _, _, _, part in gathered for t in part] if ref is not None else None
         valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
         keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
-        record = {"rows": len(rows), "rows_trained": len(keep),
+        record = {"rows": len(rows), "rows_trained": len(keep), **mismatch,  # mismatch: this rank's rows
                   "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep})}
         if not keep:
             record["update_applied"] = False

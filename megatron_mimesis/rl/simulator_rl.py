@@ -7,11 +7,11 @@ Each step: sample prompts by domain weight; every data-parallel rank plays its s
 thinking private); score each rollout with its domain's reward; fold every policy turn into a training row;
 gather the rows of all data-parallel ranks; compute advantages over *unique rollouts* per group
 (``foldgrpo_advantages``), dropping groups with fewer than ``min_valid_rollouts`` scored rollouts; and take
-one optimizer step with the fused GRPO loss on the last stage's hidden states. Old log-probs are the
-sampler's: the local engine samples with the training model itself, before the update.
+one optimizer step with the fused GRPO loss on the last stage's hidden states. Old log-probs are the training
+model's before the update: the local engine's own (it samples with that model), recomputed by the trainer
+when vLLM sampled (``scoring.recompute_old_logprobs``, which logs the engine/trainer mismatch).
 
-Inside a model-parallel group (TP x PP) every rank must see the same rollouts, so the counterpart and the
-reward, which may call remote endpoints, run on the group's first rank and their answers are broadcast.
+What the two RL stages share (the trainer, the engine, the run, the update) is in ``loop.py``.
 """
 
 import sys

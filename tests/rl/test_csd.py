@@ -16,6 +16,7 @@ from megatron_mimesis.rl.csd import (
     ScriptedCoach,
     coach_prompt,
     gate_statistics,
+    placebo_corrected,
     teacher_context,
 )
 from megatron_mimesis.rl.envs.toy import ToySuite, code_of, toy_user
@@ -68,6 +69,16 @@ def test_coach_failures_are_reported_not_invented():
     assert result.note is None and "InternalServerError" in result.error
     with FakeOpenAIServer(reply=lambda messages: "   ") as server:
         assert OpenAICoach(server.base_url, "coach").notes_many(["x"])[0].error == "empty note"
+
+
+def test_placebo_correction_removes_the_generic_shift_of_any_note():
+    student = [-1.0, -2.0, -0.5]
+    placebo = [-0.8, -1.9, -0.4]  # any note makes the teacher a little more confident...
+    teacher = [-0.8, -0.9, -0.4]  # ...this one also favours the second token
+    corrected = placebo_corrected(teacher, placebo, student)
+    assert corrected == pytest.approx([-1.0, -1.0, -0.5])  # only the note's content moves the gate
+    gates = gate_statistics([corrected], [student], beta=5.0)
+    assert gates["csd_logprob_gap_mean"] == pytest.approx(1.0 / 3)
 
 
 def test_gate_statistics_by_hand_skip_dropped_turns():
