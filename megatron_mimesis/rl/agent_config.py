@@ -3,12 +3,16 @@ environment, the user model, returns and the coach. Defaults are the paper's sta
 100 steps, CSD alpha 0.01, beta 5.0)."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_mimesis.rl.config import RLConfig
 from megatron_mimesis.rl.envs import ENVS
 from megatron_mimesis.training.config import ConfigError
 
-USER_MODELS = ("openai", "scripted")  # "scripted": the env's own scripted user (the toy env has one)
+# "scripted": the toy env's scripted user; "local": a frozen megatron copy of the simulator in the training
+# processes (it must share the agent's architecture and tokenizer; otherwise serve it and use "openai")
+USER_MODELS = ("openai", "scripted", "local")
+LOCAL_USER_OPTIONS = {"load", "thinking", "max_new_tokens", "temperature", "stop_marker"}
 COACHES = ("none", "openai", "policy", "scripted")  # "policy": the agent's own engine writes the notes
 
 
@@ -25,7 +29,8 @@ class AgentRLConfig(RLConfig):
     max_agent_turns: int = 30  # agent generations per episode, tool calls included
     thinking: bool = True  # the agent's own thinking (Qwen3.5 thinking template)
     gamma: float = 0.8  # reward-to-go discount over agent turns
-    # the frozen user simulator: OpenAIUserModel keyword arguments (e.g. a `vllm serve` of the simulator)
+    # the frozen user simulator. openai: OpenAIUserModel keyword arguments (e.g. a `vllm serve` of the simulator);
+    # local: {"load": HF or dist checkpoint directory, "thinking", "max_new_tokens", "temperature", "stop_marker"}
     user_model: str = "openai"
     user_model_options: dict = field(default_factory=dict)
     # CSD
@@ -54,6 +59,14 @@ class AgentRLConfig(RLConfig):
             raise ConfigError("user_model=scripted is the toy env's scripted user; use openai for tau2")
         if self.user_model == "openai" and not {"base_url", "model"} <= set(self.user_model_options):
             raise ConfigError("user_model=openai needs user_model_options with base_url and model")
+        if self.user_model == "local":
+            unknown = sorted(set(self.user_model_options) - LOCAL_USER_OPTIONS)
+            if unknown:
+                raise ConfigError(f"user_model_options: {unknown} are not options of user_model=local "
+                                  f"{sorted(LOCAL_USER_OPTIONS)}")
+            load = self.user_model_options.get("load")
+            if not load or not Path(load).exists():
+                raise ConfigError(f"user_model=local needs user_model_options.load: a checkpoint directory, not {load!r}")
         if self.coach not in COACHES:
             raise ConfigError(f"coach must be one of {COACHES}, not {self.coach!r}")
         if self.coach == "openai" and not {"base_url", "model"} <= set(self.coach_options):

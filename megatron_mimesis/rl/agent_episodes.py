@@ -110,8 +110,9 @@ class AgentEpisodeRunner:
 
     def run(self, suite: EnvSuite, task_ids: list[str], rollouts_per_task: int, step_seed: int) -> list[AgentEpisode]:
         """``rollouts_per_task`` episodes per task; group_id is the task's index, rollout_id a running index.
-        Agent round ``k`` samples with seed ``step_seed * 4 * max_agent_turns + k``: distinct across steps
-        (an episode has at most ``2 * max_agent_turns`` rounds)."""
+        Round ``r`` (every live episode's agent generates once per round, so r < max_agent_turns) seeds its user
+        call with ``base + 2r`` and its agent call with ``base + 2r + 1``, ``base = step_seed * 2 *
+        max_agent_turns``: reproducible, and for non-negative step seeds never the same seed twice in a run."""
         episodes = []
         for group_id, task_id in enumerate(task_ids):
             for _ in range(rollouts_per_task):
@@ -122,22 +123,23 @@ class AgentEpisodeRunner:
                 episodes.append(episode)
         waiting_user = list(range(len(episodes)))
         waiting_agent: list[int] = []
+        base = step_seed * 2 * self.max_agent_turns
         rounds = 0
         while waiting_user or waiting_agent:
-            waiting_agent += self._user_round([episodes[i] for i in waiting_user], waiting_user)
+            waiting_agent += self._user_round([episodes[i] for i in waiting_user], waiting_user, base + 2 * rounds)
             waiting_user = []
             if waiting_agent:
-                sampling = replace(self.sampling, seed=step_seed * 4 * self.max_agent_turns + rounds)
+                sampling = replace(self.sampling, seed=base + 2 * rounds + 1)
                 waiting_user, waiting_agent = self._agent_round(episodes, waiting_agent, sampling)
-                rounds += 1
+            rounds += 1
         return episodes
 
-    def _user_round(self, episodes: list[AgentEpisode], indices: list[int]) -> list[int]:
+    def _user_round(self, episodes: list[AgentEpisode], indices: list[int], seed: int) -> list[int]:
         """Ask the user model to answer; return the indices whose agent moves next."""
         if not episodes:
             return []
         replies = self.user_model.reply_many([e.task.user_instructions for e in episodes],
-                                             [user_view(e.messages) for e in episodes])
+                                             [user_view(e.messages) for e in episodes], seed=seed)
         if len(replies) != len(episodes):
             raise RuntimeError(f"user model returned {len(replies)} replies for {len(episodes)} episodes")
         going_on = []

@@ -61,22 +61,12 @@ class TaskSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def build_user_model(config: AgentRLConfig):
-    if config.user_model == "scripted":
-        from megatron_mimesis.rl.envs.toy import toy_user
-
-        return toy_user()
-    from megatron_mimesis.rl.user_models import OpenAIUserModel
-
-    return OpenAIUserModel(**config.user_model_options)
-
-
 class _LeaderUserModel:
     def __init__(self, inner, group):
         self.inner, self.group = inner, group
 
-    def reply_many(self, instructions, transcripts):
-        return on_group_leader(lambda: self.inner.reply_many(instructions, transcripts), self.group)
+    def reply_many(self, instructions, transcripts, seed=None):
+        return on_group_leader(lambda: self.inner.reply_many(instructions, transcripts, seed), self.group)
 
 
 class AgentRL(RLLoop):
@@ -93,8 +83,7 @@ class AgentRL(RLLoop):
         self.sampler = TaskSampler(self.suite.task_ids(c.train_split), c.seed)
         self.renderer = ChatRenderer(self.tokenizer, thinking=c.thinking)
         self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p)
-        self.runner = AgentEpisodeRunner(self.engine, self.renderer,
-                                         _LeaderUserModel(build_user_model(c), self.mp_group), self.sampling,
+        self.runner = AgentEpisodeRunner(self.engine, self.renderer, self._user_model(), self.sampling,
                                          c.max_agent_turns)
         self.coach = self._coach() if c.csd_alpha else None
         self.coach_template = None
@@ -103,6 +92,27 @@ class AgentRL(RLLoop):
 
             self.coach_template = COACH_TEMPLATE.read_text()
         self.samples_path = Path(c.log_dir) / "csd_samples.jsonl"
+
+    def _user_model(self):
+        """Remote or scripted users answer on the model-parallel leader; a local one is a collective engine."""
+        from megatron_mimesis.rl.chat import ChatRenderer
+        from megatron_mimesis.rl.local_engine import LocalEngine
+        from megatron_mimesis.rl.types import SamplingParams
+        from megatron_mimesis.rl.user_models import EngineUserModel, OpenAIUserModel
+
+        c = self.config
+        if c.user_model == "scripted":
+            from megatron_mimesis.rl.envs.toy import toy_user
+
+            return _LeaderUserModel(toy_user(), self.mp_group)
+        if c.user_model == "openai":
+            return _LeaderUserModel(OpenAIUserModel(**c.user_model_options), self.mp_group)
+        options = c.user_model_options
+        engine = LocalEngine(self.frozen_copy(options["load"]), self.tokenizer, len(self.tokenizer), self.device)
+        sampling = SamplingParams(max_new_tokens=options.get("max_new_tokens", 512),
+                                  temperature=options.get("temperature", 1.0))
+        return EngineUserModel(engine, ChatRenderer(self.tokenizer, thinking=options.get("thinking", True)), sampling,
+                               options.get("stop_marker", "<END>"))
 
     def _coach(self):
         from megatron_mimesis.rl.csd import EngineCoach, OpenAICoach, ScriptedCoach

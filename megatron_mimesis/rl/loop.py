@@ -47,16 +47,16 @@ class RLLoop:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.reference = self._reference_model() if config.kl_coef else None
+        self.reference = self.frozen_copy(config.kl_reference) if config.kl_coef else None
 
-    def _reference_model(self) -> list:
-        """The frozen reference for the KL term: the policy's architecture and layout, its own weights, no grad."""
+    def frozen_copy(self, source: str) -> list:
+        """Another model of the policy's architecture and layout with its own weights (an HF directory or a dist
+        checkpoint), frozen: the KL reference, or a local user simulator."""
         from pathlib import Path
 
         from megatron_mimesis.training.checkpointing import load_model_weights
 
         chunks = self.trainer.build_chunks()
-        source = self.config.kl_reference
         if (Path(source) / "config.json").exists():
             self.trainer.load_hf(chunks, source)
         else:

@@ -28,8 +28,9 @@ class UserReply:
 
 
 class UserModel(Protocol):
-    def reply_many(self, instructions: list[str], transcripts: list[list[dict]]) -> list[UserReply]:
-        """One reply per (instructions, transcript) pair, in order."""
+    def reply_many(self, instructions: list[str], transcripts: list[list[dict]],
+                   seed: int | None = None) -> list[UserReply]:
+        """One reply per (instructions, transcript) pair, in order; ``seed`` makes a sampling model reproducible."""
         ...
 
 
@@ -56,9 +57,10 @@ class EngineUserModel:
         self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
         self.stop_marker = stop_marker
 
-    def reply_many(self, instructions: list[str], transcripts: list[list[dict]]) -> list[UserReply]:
+    def reply_many(self, instructions: list[str], transcripts: list[list[dict]],
+                   seed: int | None = None) -> list[UserReply]:
         prompts = [self.renderer.user_prompt(_messages(i, t)) for i, t in zip(instructions, transcripts, strict=True)]
-        generations = self.engine.generate(prompts, self.sampling)
+        generations = self.engine.generate(prompts, replace(self.sampling, seed=seed))
         return [_reply(*self.renderer.split_thinking(g.text), self.stop_marker) for g in generations]
 
 
@@ -79,15 +81,17 @@ class OpenAIUserModel:
         self.temperature = temperature
         self.concurrency = concurrency
 
-    def reply_many(self, instructions: list[str], transcripts: list[list[dict]]) -> list[UserReply]:
+    def reply_many(self, instructions: list[str], transcripts: list[list[dict]],
+                   seed: int | None = None) -> list[UserReply]:
+        seeds = [None if seed is None else seed * 100003 + k for k in range(len(transcripts))]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._reply, instructions, transcripts))
+            return list(pool.map(self._reply, instructions, transcripts, seeds))
 
-    def _reply(self, instructions: str, transcript: list[dict]) -> UserReply:
+    def _reply(self, instructions: str, transcript: list[dict], seed: int | None) -> UserReply:
         try:
             response = self.client.chat.completions.create(
                 model=self.model, messages=_messages(instructions, transcript), max_tokens=self.max_tokens,
-                temperature=self.temperature)
+                temperature=self.temperature, **({"seed": seed} if seed is not None else {}))
         except openai.OpenAIError as error:
             return UserReply(None, "", False, f"{type(error).__name__}: {error}")
         if not response.choices or response.choices[0].message.content is None:
@@ -106,6 +110,7 @@ class ScriptedUserModel:
         self.fn = fn
         self.stop_marker = stop_marker
 
-    def reply_many(self, instructions: list[str], transcripts: list[list[dict]]) -> list[UserReply]:
+    def reply_many(self, instructions: list[str], transcripts: list[list[dict]],
+                   seed: int | None = None) -> list[UserReply]:
         return [_reply(*self.fn(i, _messages(i, t)[1:]), self.stop_marker)
                 for i, t in zip(instructions, transcripts, strict=True)]

@@ -22,9 +22,9 @@ class RecordingUser:
     def __init__(self, inner):
         self.inner, self.seen = inner, []
 
-    def reply_many(self, instructions, transcripts):
+    def reply_many(self, instructions, transcripts, seed=None):
         self.seen += transcripts
-        return self.inner.reply_many(instructions, transcripts)
+        return self.inner.reply_many(instructions, transcripts, seed)
 
 
 def _run(agent_texts, user=None, max_agent_turns=3):
@@ -44,6 +44,7 @@ def test_tool_calls_thoughts_rewards_and_returns_by_hand():
     assert first.messages[1]["content"] == "" and first.messages[1]["tool_calls"][0].arguments == {"item": ITEM}
     assert first.messages[2]["content"] == CODE
     assert first.termination == second.termination == "user_stop"
+    assert [sampling.seed for _, sampling in engine.calls] == [19, 21]  # step 3, 3 turns: base 18, rounds 0 and 1
     # the user never sees tool traffic; the agent never sees the user's thinking
     assert all(m["role"] in ("user", "assistant") and m["content"] for t in user.seen for m in t)
     contexts = [tokenizer.decode(p) for prompts, _ in engine.calls for p in prompts]
@@ -86,7 +87,7 @@ def test_user_thinking_markers_never_reach_the_agent():
 
 def test_user_model_failure_leaves_the_episode_unscored_and_counted():
     class Failing:
-        def reply_many(self, instructions, transcripts):
+        def reply_many(self, instructions, transcripts, seed=None):
             from megatron_mimesis.rl.user_models import UserReply
 
             return [UserReply(None, "", False, "endpoint down")] * len(transcripts)

@@ -57,3 +57,23 @@ def test_agent_config_is_validated_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="gamma must be in"):
         config.replace(csd_alpha=0.0, gamma=1.5).validate(1)
     config.replace(csd_alpha=0.0).validate(1)
+
+
+@pytest.mark.slow
+def test_tau2_mock_step_with_a_local_tiny_simulator_and_the_policy_as_coach(tiny_dataset, tiny_hf_checkpoint,
+                                                                             tmp_path):
+    args = _agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", "--train-iters", "1",
+                       "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--max-new-tokens", "6")
+    for flag, value in (("--env", "tau2"), ("--user-model", "local"), ("--coach", "policy")):
+        args[args.index(flag) + 1] = value
+    del args[args.index("--coach-options"):args.index("--coach-options") + 2]
+    args += ["--env-options", json.dumps({"domain": "mock"}), "--user-model-options",
+             json.dumps({"load": str(tiny_hf_checkpoint), "max_new_tokens": 6, "thinking": False}),
+             "--coach-max-new-tokens", "4"]
+    run_trainer(1, *args, module=AGENT_RL, timeout=600)
+    (record,) = read_metrics(tmp_path / "run")
+    assert record["rollouts"] == 2 and record["score_failures"] == 0
+    assert record["scored_rollouts"] == 2 and record["reward_mean"] == 0.0  # tau2's evaluator: not solved
+    assert record["rows"] >= 2 and record["update_applied"]
+    # the policy coached itself: every coached turn was re-scored by the teacher (or counted as a failure)
+    assert record["csd_turns"] + record["coach_failures"] == record["rows"]
