@@ -166,9 +166,8 @@ class AgentRL(RLLoop):
         teacher = [[NO_GATE] * len(row.response_ids) for row, _, _ in rows]
         for k, logprobs in zip(coached, scored, strict=True):
             teacher[k] = logprobs
-        failures = Counter(n.error.split(":")[0] for n in notes if n.note is None)
         self._log_samples(step, rows, notes, contexts, teacher)
-        return teacher, {"csd_turns": len(coached), "coach_failures": sum(failures.values())}
+        return teacher, {"csd_turns": len(coached), "coach_failures": len(notes) - len(coached)}
 
     def _log_samples(self, step, rows, notes, contexts, teacher) -> None:
         """A few coached turns per step, in full, on the first data-parallel rank's model-parallel leader."""
@@ -203,7 +202,8 @@ class AgentRL(RLLoop):
         score_failures = self._score(episodes)
         rows = agent_rows(episodes, c.gamma, self.suite.name)
         rollout_time = time.perf_counter() - start
-        record = {"rollout_time_s": rollout_time, "score_failures": sum(score_failures.values())}
+        record = {"rollout_time_s": rollout_time, "score_failures": sum(score_failures.values()),
+                  **{f"score_failures/{reason}": n for reason, n in score_failures.items()}}
         teacher = None
         if self.coach is not None:
             start = time.perf_counter()
