@@ -73,9 +73,6 @@ class RLLoop:
         return PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c,
                                 kl_coef=c.kl_coef, **extra)
 
-    def step(self, step: int) -> dict:
-        raise NotImplementedError
-
     def my_share(self, items: list) -> tuple[list, int]:
         """This data-parallel rank's slice of the step's prompts/tasks and its offset (for globally unique ids)."""
         share = len(items) // self.dp_size
