@@ -78,23 +78,29 @@ class RLLoop:
         share = len(items) // self.dp_size
         return items[self.dp_rank * share:(self.dp_rank + 1) * share], self.dp_rank * share
 
+    def on_policy_rows(self, rows: list) -> tuple[list, dict]:
+        """The rows with the trainer's own old log-probs: as sampled when the engine is the training model,
+        recomputed (and the engine's mismatch measured, on this rank's rows) when another engine sampled them.
+        Every consumer of the student's log-probs (the update, the CSD gate, the placebo correction) reads these."""
+        from megatron_mimesis.rl.engines import samples_with_training_model
+        from megatron_mimesis.rl.scoring import recompute_old_logprobs
+
+        if samples_with_training_model(self.engine, self.trainer):
+            return rows, {}
+        return recompute_old_logprobs(self.trainer.model, rows, self.config.max_tokens_per_microbatch, self.device)
+
     def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None) -> tuple[dict, list]:
         """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
         groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
         rollouts, take one optimizer step and refresh the engine. ``teacher``: per-row teacher log-probs (CSD).
-        Each rank first prepares its own rows: the trainer's old log-probs when another engine sampled them
-        (``recompute_old_logprobs``), the reference's log-probs with a KL term. Returns the update's record and
-        all ranks' summaries."""
+        ``rows`` come from :meth:`on_policy_rows`; with a KL term each rank first scores its own rows under the
+        reference. Returns the update's record and all ranks' summaries."""
         from megatron_mimesis.kernels import foldgrpo_advantages
-        from megatron_mimesis.rl.engines import refresh_engine, samples_with_training_model
+        from megatron_mimesis.rl.engines import refresh_engine
         from megatron_mimesis.rl.policy_step import policy_update
-        from megatron_mimesis.rl.scoring import recompute_old_logprobs, score_rows
+        from megatron_mimesis.rl.scoring import score_rows
 
         c = self.config
-        mismatch = {}
-        if not samples_with_training_model(self.engine, self.trainer):
-            rows, mismatch = recompute_old_logprobs(self.trainer.model, rows, c.max_tokens_per_microbatch,
-                                                    self.device)
         ref = None
         if self.reference is not None:
             ref = score_rows(self.reference, [(r.context_ids, r.response_ids) for r in rows],
@@ -107,7 +113,7 @@ class RLLoop:
         ref = [t for _, _, _, part in gathered for t in part] if ref is not None else None
         valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
         keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
-        record = {"rows": len(rows), "rows_trained": len(keep), **mismatch,  # mismatch: this rank's rows
+        record = {"rows": len(rows), "rows_trained": len(keep),
                   "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep})}
         if not keep:
             record["update_applied"] = False

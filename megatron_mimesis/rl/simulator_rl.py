@@ -101,11 +101,11 @@ class SimulatorRL(RLLoop):
         start = time.perf_counter()
         episodes, prompts_by_id = self._rollouts(step)
         reward_failures = self._score(episodes, prompts_by_id)
-        rows, _ = fold_rows(episodes)
         rollout_time = time.perf_counter() - start
-        record, summaries = self.gather_and_update(
-            rows, [_summary(e, reward_failures) for e in episodes],
-            self.loss_config())
+        rows, mismatch = self.on_policy_rows(fold_rows(episodes)[0])
+        record, summaries = self.gather_and_update(rows, [_summary(e, reward_failures) for e in episodes],
+                                                   self.loss_config())
+        record.update(mismatch)
         record.update(_rollout_metrics(summaries))
         record["rollout_time_s"] = rollout_time
         # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)
