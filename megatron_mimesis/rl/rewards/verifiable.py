@@ -8,6 +8,7 @@ that is present but wrong, ambiguous or unparseable scores 0.0: that is the poli
 import math
 import re
 import unicodedata
+from abc import ABC, abstractmethod
 
 from megatron_mimesis.rl.prompts import PromptRecord
 from megatron_mimesis.rl.rewards.registry import RewardResult, register
@@ -34,11 +35,12 @@ def simulator_utterances(episode: Episode) -> list[str]:
     return [m["content"] for m in episode.transcript if m["role"] == "user"]
 
 
-class VerifiableReward:
+class VerifiableReward(ABC):
     """Scores the last simulator utterance with ``grade``; ``grade`` raises ValueError on an unusable reference."""
 
+    @abstractmethod
     def grade(self, answer: str, episode: Episode, prompt: PromptRecord) -> tuple[float, dict]:
-        raise NotImplementedError
+        """(reward, info) for the simulator's last utterance."""
 
     def score(self, episode: Episode, prompt: PromptRecord) -> RewardResult:
         utterances = simulator_utterances(episode)
