@@ -9,7 +9,8 @@
 #
 # Caller sets: STAGE, PAPER_CONFIG, DEMO_CONFIG, DEMO_RUN_DIR, DEMO_PREP_ARGS (array; empty: the stage builds no
 # demo data), DEMO_NEEDS (array of paths the demo needs, with DEMO_NEEDS_HINT saying how to make them), and
-# optionally TRAIN_MODULE (the entry module; default the trainer) and DEMO_PLOT_ARGS (array for tools/plot_run.py).
+# optionally TRAIN_MODULE (the entry module; default the trainer) and DEMO_PLOT_ARGS (array for tools/plot_run.py);
+# the RL stages take their demo settings from rl_demo_defaults (called after sourcing this file).
 # Environment overrides: CONFIG, PYTHON, NPROC, NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT,
 # DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
 
@@ -153,6 +154,15 @@ report_demo() {
   echo "logs:        $metrics (TensorBoard: $DEMO_RUN_DIR)"
   if [[ -e "$DEMO_RUN_DIR/checkpoints/latest" ]]; then echo "checkpoint:  $DEMO_RUN_DIR/checkpoints"; fi
   echo "loss plot:   $plot"
+}
+
+# The RL demos (rl_simulator.sh, rl_agent.sh) build no data of their own: they start from the mid-training
+# demo's checkpoint and tokenizer and plot the mean reward.
+rl_demo_defaults() {
+  DEMO_PREP_ARGS=()
+  DEMO_NEEDS=(runs/demo-midtrain/checkpoints/latest .cache/data/chitchat-midtrain/tokenizer/tokenizer.json)
+  DEMO_NEEDS_HINT="run bash launch/midtrain.sh first (the RL demo starts from its checkpoint and tokenizer)"
+  DEMO_PLOT_ARGS=(--metric reward_mean --speed rollout_time_s)
 }
 
 launch() {

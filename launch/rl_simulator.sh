@@ -12,11 +12,8 @@ TRAIN_MODULE=megatron_mimesis.rl.simulator_rl
 PAPER_CONFIG=launch/configs/rl_simulator_9b.yaml  # the paper's 2x8 A100 run, vLLM colocated
 DEMO_CONFIG=launch/configs/demo_rl_simulator.yaml
 DEMO_RUN_DIR=runs/demo-rl-simulator
-DEMO_PREP_ARGS=()
-DEMO_NEEDS=(runs/demo-midtrain/checkpoints/latest .cache/data/chitchat-midtrain/tokenizer/tokenizer.json)
-DEMO_NEEDS_HINT="run bash launch/midtrain.sh first (the RL demo starts from its checkpoint and tokenizer)"
-DEMO_PLOT_ARGS=(--metric reward_mean --speed rollout_time_s)
 
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+rl_demo_defaults
 launch "$@"
