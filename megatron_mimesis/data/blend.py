@@ -8,6 +8,7 @@ helpers are the compiled ``megatron.core.datasets.helpers_cpp`` shipped in the m
 build is needed here). Items are those of ``PackedConversationDataset`` plus ``dataset_id`` from the blend.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -18,6 +19,16 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron_mimesis.data.packed import PackedConversationDataset
+
+
+def _shuffle_seed(random_seed: int, dataset_path: str | None, index_split: Split, num_samples: int) -> int:
+    """The corpus's shuffle seed, from what identifies it inside its mixture (corpus directory and file names,
+    split, sample count) rather than megatron's description hash, which holds the absolute path: the same data
+    prepared under another directory (another filesystem, a test's temporary directory) must train in the same
+    order, or runs and their resumes would not reproduce."""
+    corpus = "/".join(Path(dataset_path).parts[-2:]) if dataset_path else ""
+    key = f"{corpus}|{index_split.name}|{num_samples}".encode()
+    return (random_seed + int(hashlib.md5(key, usedforsecurity=False).hexdigest()[:8], 16)) % 2**32
 
 
 class PackedConversationMegatronDataset(MegatronDataset):
@@ -40,8 +51,7 @@ class PackedConversationMegatronDataset(MegatronDataset):
             )
         wanted = len(indices) if num_samples is None else num_samples
         epochs = -(-wanted // len(indices)) if len(indices) else 0
-        seed = (config.random_seed + int(self.unique_description_hash[:8], 16)) % 2**32
-        rng = np.random.RandomState(seed)
+        rng = np.random.RandomState(_shuffle_seed(config.random_seed, dataset_path, index_split, wanted))
         order = [rng.permutation(indices) for _ in range(epochs)]
         self.sample_index = np.concatenate(order)[:wanted] if order else np.zeros(0, dtype=np.int64)
 

@@ -209,6 +209,18 @@ def test_blended_train_and_valid_from_mixture(tmp_path, char_tokenizer_dir):
     assert train[0]["tokens"].shape == (32,) and int(train[0]["cu_seqlens"][-1]) == 32
 
 
+def test_the_same_data_built_elsewhere_trains_in_the_same_order(tmp_path, char_tokenizer_dir):
+    write_jsonl(tmp_path / "talk.jsonl",
+                [conversation(("user", "hi" * (1 + i % 5)), conversation_id=f"c{i}") for i in range(60)])
+    orders = []
+    for where in ("here", "there/deeper"):  # e.g. the same corpus prepared on two filesystems
+        result = build(inputs=[str(tmp_path / "talk.jsonl")], output=str(tmp_path / where / "out"),
+                       tokenizer=str(char_tokenizer_dir), seq_length=32, valid_fraction=0.2)
+        train, _ = build_blended_datasets(result.output_dir / "mixture.json", 32, train_samples=40, valid_samples=4)
+        orders.append([train[i]["tokens"].tolist() for i in range(40)])
+    assert orders[0] == orders[1]
+
+
 def test_embedded_midtrain_default_subset(tmp_path):
     result = build(output=str(tmp_path / "chat"), max_conversations=40, seq_length=1024)
     manifest = result.manifest
