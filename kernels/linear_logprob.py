@@ -27,10 +27,11 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpreting
-from .reference import vocab_shard_start
+from .reference import shard_columns
 from .vocab_tiles import (
     combine_partials,
     dot_precision,
+    empty_partials,
     geometry,
     mma_operand,
     new_partials,
@@ -159,11 +160,12 @@ def _accumulate_grad_weight(grad_w, grad_logits, chunk_hidden):
 class LinearLogprob(torch.autograd.Function):
     """(hidden [N, H], weight [V_local, H], global target ids [N]) -> (logprob [N], entropy [N]), fp32.
 
-    Entropy is a by-product of the same pass and is not differentiable.
+    Entropy is a by-product of the same pass and is not differentiable. The kernels only ever see the shard's
+    real rows (a contiguous head, see reference.shard_columns); the padding rows' gradient is exactly zero.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_ids, tp_group):
+    def forward(ctx, hidden, weight, target_ids, tp_group, vocab_size):
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
             raise ValueError(f"expected hidden [N, H] and weight [V_local, H], got {tuple(hidden.shape)} and "
                              f"{tuple(weight.shape)}")
@@ -171,15 +173,21 @@ class LinearLogprob(torch.autograd.Function):
             raise ValueError(f"hidden and weight must share a dtype for the tensor-core GEMMs, got {hidden.dtype} "
                              f"and {weight.dtype}")
         hidden, weight, target_ids = hidden.contiguous(), weight.contiguous(), target_ids.contiguous()
-        block_n, block_v, block_h = _blocks()
+        vocab_start, real = shard_columns(weight.shape[0], tp_group, vocab_size)
+        ctx.weight_rows = weight.shape[0]
+        weight = weight[:real]
         num_tokens, hidden_size = hidden.shape
-        geo = geometry(num_tokens, weight.shape[0], block_n, block_v, hidden.device)
-        vocab_start = vocab_shard_start(weight.shape[0], tp_group)
-        partials = new_partials(num_tokens, geo, hidden.device)
-        _forward_kernel[geo.grid](hidden, weight, target_ids, partials, num_tokens, weight.shape[0], hidden_size,
-                                  vocab_start, geo.tiles_per_split, geo.splits, hidden.stride(0), weight.stride(0),
-                                  BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
-                                  PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(), num_warps=NUM_WARPS)
+        if real:
+            block_n, block_v, block_h = _blocks()
+            geo = geometry(num_tokens, real, block_n, block_v, hidden.device)
+            partials = new_partials(num_tokens, geo, hidden.device)
+            _forward_kernel[geo.grid](hidden, weight, target_ids, partials, num_tokens, real, hidden_size,
+                                      vocab_start, geo.tiles_per_split, geo.splits, hidden.stride(0),
+                                      weight.stride(0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
+                                      PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
+                                      num_warps=NUM_WARPS)
+        else:
+            partials = empty_partials(num_tokens, hidden.device)
         logprob, entropy, log_sum_exp = combine_partials(partials, tp_group)
         ctx.save_for_backward(hidden, weight, target_ids, log_sum_exp)
         ctx.tp_group, ctx.vocab_start = tp_group, vocab_start
@@ -193,8 +201,9 @@ class LinearLogprob(torch.autograd.Function):
         # partial grad_h are summed across TP in fp32; without TP each row is written once, in the input dtype
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32 if ctx.tp_group else hidden.dtype,
                              device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        if grad_logprob is not None:
+        grad_w = torch.zeros(ctx.weight_rows, weight.shape[1], dtype=torch.float32,
+                             device=weight.device) if need_w else None
+        if grad_logprob is not None and weight.shape[0]:
             dlogprob = grad_logprob.float().contiguous()
             block_n, block_v, block_h = _blocks()
             vocab = weight.shape[0]
@@ -213,11 +222,12 @@ class LinearLogprob(torch.autograd.Function):
                 if need_h:
                     grad_h[rows] = grad_logits @ weight
                 if need_w:
-                    _accumulate_grad_weight(grad_w, grad_logits, chunk_hidden)
+                    _accumulate_grad_weight(grad_w[:vocab], grad_logits, chunk_hidden)
         if ctx.tp_group is not None and need_h:
             dist.all_reduce(grad_h, group=ctx.tp_group)
-        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None, None, None)
+        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None, None, None,
+                None)
 
 
-def linear_logprob(hidden, weight, target_ids, tp_group=None):
-    return LinearLogprob.apply(hidden, weight, target_ids, tp_group)
+def linear_logprob(hidden, weight, target_ids, tp_group=None, vocab_size=None):
+    return LinearLogprob.apply(hidden, weight, target_ids, tp_group, vocab_size)

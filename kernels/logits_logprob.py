@@ -1,7 +1,8 @@
 """Log-prob of sampled tokens from already materialised (vocab-sharded) logits [N, V_local], for callers that
 have logits anyway. Same tiled statistics and TP combination as the hidden-state engine; the backward writes
 d logits = dl * (onehot - softmax) tile by tile in the logits dtype, recomputing the softmax from the saved
-log-sum-exp instead of keeping a probability tensor.
+log-sum-exp instead of keeping a probability tensor. Padding columns (reference.shard_columns) are never read and
+get a zero gradient.
 """
 
 import torch
@@ -9,8 +10,15 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpreting
-from .reference import vocab_shard_start
-from .vocab_tiles import combine_partials, geometry, new_partials, online_update, store_partials
+from .reference import shard_columns
+from .vocab_tiles import (
+    combine_partials,
+    empty_partials,
+    geometry,
+    new_partials,
+    online_update,
+    store_partials,
+)
 
 
 def _blocks():
@@ -44,7 +52,7 @@ def _forward_kernel(LOGITS, TARGET, PART, num_tokens, vocab, vocab_start, tiles_
 
 @triton.jit
 def _backward_kernel(LOGITS, TARGET, LSE, DLOGPROB, GRAD_LOGITS, num_tokens, vocab, vocab_start, tiles_per_split,
-                     stride, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                     stride, grad_stride, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     split = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_tokens
@@ -60,7 +68,8 @@ def _backward_kernel(LOGITS, TARGET, LSE, DLOGPROB, GRAD_LOGITS, num_tokens, voc
         z = tl.load(LOGITS + offsets, mask=ok, other=0.0).to(tl.float32)
         onehot = tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
         dz = dlogprob[:, None] * (onehot - tl.exp(z - lse[:, None]))
-        tl.store(GRAD_LOGITS + rows[:, None] * vocab + cols[None, :], dz.to(GRAD_LOGITS.dtype.element_ty), mask=ok)
+        tl.store(GRAD_LOGITS + rows[:, None] * grad_stride + cols[None, :], dz.to(GRAD_LOGITS.dtype.element_ty),
+                 mask=ok)
 
 
 class LogitsLogprob(torch.autograd.Function):
@@ -68,20 +77,25 @@ class LogitsLogprob(torch.autograd.Function):
     differentiable. Under TP the statistics are all-reduced; the logits gradient is the local shard's."""
 
     @staticmethod
-    def forward(ctx, logits, target_ids, tp_group):
+    def forward(ctx, logits, target_ids, tp_group, vocab_size):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         target_ids = target_ids.contiguous()
-        block_n, block_v = _blocks()
-        num_tokens, vocab = logits.shape
-        geo = geometry(num_tokens, vocab, block_n, block_v, logits.device)
-        vocab_start = vocab_shard_start(vocab, tp_group)
-        partials = new_partials(num_tokens, geo, logits.device)
-        _forward_kernel[geo.grid](logits, target_ids, partials, num_tokens, vocab, vocab_start, geo.tiles_per_split,
-                                  geo.splits, logits.stride(0), BLOCK_N=block_n, BLOCK_V=block_v)
+        num_tokens = logits.shape[0]
+        vocab_start, real = shard_columns(logits.shape[1], tp_group, vocab_size)
+        geo = None
+        if real:
+            block_n, block_v = _blocks()
+            geo = geometry(num_tokens, real, block_n, block_v, logits.device)
+            partials = new_partials(num_tokens, geo, logits.device)
+            _forward_kernel[geo.grid](logits, target_ids, partials, num_tokens, real, vocab_start,
+                                      geo.tiles_per_split, geo.splits, logits.stride(0), BLOCK_N=block_n,
+                                      BLOCK_V=block_v)
+        else:
+            partials = empty_partials(num_tokens, logits.device)
         logprob, entropy, log_sum_exp = combine_partials(partials, tp_group)
         ctx.save_for_backward(logits, target_ids, log_sum_exp)
-        ctx.vocab_start, ctx.geo = vocab_start, geo
+        ctx.vocab_start, ctx.geo, ctx.real = vocab_start, geo, real
         ctx.mark_non_differentiable(entropy)
         return logprob, entropy
 
@@ -89,14 +103,18 @@ class LogitsLogprob(torch.autograd.Function):
     def backward(ctx, grad_logprob, _grad_entropy):
         logits, target_ids, log_sum_exp = ctx.saved_tensors
         if grad_logprob is None:
-            return None, None, None
-        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        block_n, block_v = _blocks()
-        _backward_kernel[ctx.geo.grid](logits, target_ids, log_sum_exp, grad_logprob.float().contiguous(),
-                                       grad_logits, logits.shape[0], logits.shape[1], ctx.vocab_start,
-                                       ctx.geo.tiles_per_split, logits.stride(0), BLOCK_N=block_n, BLOCK_V=block_v)
-        return grad_logits, None, None
+            return None, None, None, None
+        # the padding columns keep their zeros
+        grad_logits = (torch.zeros if ctx.real < logits.shape[1] else torch.empty)(
+            logits.shape, dtype=logits.dtype, device=logits.device)
+        if ctx.real:
+            block_n, block_v = _blocks()
+            _backward_kernel[ctx.geo.grid](logits, target_ids, log_sum_exp, grad_logprob.float().contiguous(),
+                                           grad_logits, logits.shape[0], ctx.real, ctx.vocab_start,
+                                           ctx.geo.tiles_per_split, logits.stride(0), grad_logits.stride(0),
+                                           BLOCK_N=block_n, BLOCK_V=block_v)
+        return grad_logits, None, None, None
 
 
-def logits_logprob(logits, target_ids, tp_group=None):
-    return LogitsLogprob.apply(logits, target_ids, tp_group)
+def logits_logprob(logits, target_ids, tp_group=None, vocab_size=None):
+    return LogitsLogprob.apply(logits, target_ids, tp_group, vocab_size)

@@ -23,13 +23,13 @@ def fused_linear_policy_loss(hidden, weight, target_ids, loss_mask, old_logprobs
                              teacher_logprobs=None, csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0,
                              clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None,
                              loss_agg="token-mean", cu_seqlens=None, normalizer=None, return_entropy=False,
-                             tp_group=None, impl="auto"):
+                             tp_group=None, vocab_size=None, impl="auto"):
     """L_GRPO + csd_alpha * L_CSD (+ kl_coef * KL to ``ref_logprobs``) from hidden [N, H] and the output weight shard [V_local, H], never
     materialising the [N, V] logits. Returns (loss, metrics); see reference.policy_loss_from_logprobs.
 
     Under TP (``tp_group``), ``target_ids`` are global vocab ids, the loss and log-probs equal TP=1, grad_W is
     the local shard's and grad_h is already summed over the group (see linear_logprob.py for how to call it
-    from megatron).
+    from megatron). ``vocab_size``: the model's real vocabulary when the output layer is padded beyond it.
     """
     _check_options(loss_agg, cu_seqlens, dual_clip_c)
     tp_group = tensor_parallel_group(tp_group)
@@ -37,7 +37,7 @@ def fused_linear_policy_loss(hidden, weight, target_ids, loss_mask, old_logprobs
         from .linear_logprob import linear_logprob
     else:
         linear_logprob = reference.linear_logprob
-    logprobs, entropy = linear_logprob(hidden, weight, target_ids, tp_group)
+    logprobs, entropy = linear_logprob(hidden, weight, target_ids, tp_group, vocab_size)
     return reference.policy_loss_from_logprobs(
         logprobs, entropy, loss_mask, old_logprobs, advantages, teacher_logprobs=teacher_logprobs,
         csd_alpha=csd_alpha, csd_beta=csd_beta, ref_logprobs=ref_logprobs, kl_coef=kl_coef, clip_eps_low=clip_eps_low,
@@ -48,17 +48,17 @@ def fused_linear_policy_loss(hidden, weight, target_ids, loss_mask, old_logprobs
 def policy_loss_from_logits(logits, target_ids, loss_mask, old_logprobs, advantages, *, teacher_logprobs=None,
                             csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0, clip_eps_low=0.2,
                             clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None, loss_agg="token-mean",
-                            cu_seqlens=None, normalizer=None, return_entropy=False, tp_group=None, impl="auto"):
+                            cu_seqlens=None, normalizer=None, return_entropy=False, tp_group=None, vocab_size=None,
+                            impl="auto"):
     """The same objective from materialised (vocab-sharded) logits [N, V_local]; the gradient is d logits."""
     _check_options(loss_agg, cu_seqlens, dual_clip_c)
     tp_group = tensor_parallel_group(tp_group)
     if resolve_impl(impl, logits) == "triton":
         from .logits_logprob import logits_logprob
 
-        logprobs, entropy = logits_logprob(logits, target_ids, tp_group)
+        logprobs, entropy = logits_logprob(logits, target_ids, tp_group, vocab_size)
     else:
-        vocab_start = reference.vocab_shard_start(logits.shape[-1], tp_group)
-        logprobs, entropy = reference.logprob_and_entropy_from_logits(logits, target_ids, tp_group, vocab_start)
+        logprobs, entropy = reference.logprob_and_entropy_from_logits(logits, target_ids, tp_group, vocab_size)
     return reference.policy_loss_from_logprobs(
         logprobs, entropy, loss_mask, old_logprobs, advantages, teacher_logprobs=teacher_logprobs,
         csd_alpha=csd_alpha, csd_beta=csd_beta, ref_logprobs=ref_logprobs, kl_coef=kl_coef, clip_eps_low=clip_eps_low,

@@ -48,27 +48,46 @@ def _fp32_or_wider(tensor):
     return tensor if tensor.dtype == torch.float64 else tensor.float()
 
 
-def vocab_shard_start(local_vocab: int, tp_group) -> int:
-    """First global vocab id held by this rank: megatron splits the vocab into equal contiguous shards."""
-    return 0 if tp_group is None else dist.get_rank(tp_group) * local_vocab
+def shard_columns(local_vocab: int, tp_group, vocab_size: int | None = None) -> tuple[int, int]:
+    """(first global vocab id held by this rank, how many of its columns are real tokens).
+
+    megatron splits the vocab into equal contiguous shards and pads the output layer to a multiple of 64 x TP; the
+    rows from ``vocab_size`` (the model's real vocabulary) on are padding, not tokens: every log-softmax leaves them
+    out and they get no gradient, so a padded model scores what its unpadded HF twin scores. At small vocabularies
+    and large TP a shard can be all padding (0 real columns). ``vocab_size=None``: every column is real.
+    """
+    tp_rank, tp_size = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    start = tp_rank * local_vocab
+    if vocab_size is None:
+        return start, local_vocab
+    if not 0 < vocab_size <= local_vocab * tp_size:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {local_vocab * tp_size}] (the output layer's rows: "
+                         f"{local_vocab} per TP shard x {tp_size})")
+    return start, max(0, min(local_vocab, vocab_size - start))
 
 
-def logprob_and_entropy_from_logits(logits, target_ids, tp_group=None, vocab_start=0):
+def logprob_and_entropy_from_logits(logits, target_ids, tp_group=None, vocab_size=None):
     """Log-prob of each target and the per-token entropy from (possibly vocab-sharded) logits, in fp32.
 
     Under TP the max, the sum of exponentials, the target logit and the entropy's sum(p z) are combined over
-    the group, so every rank gets the TP=1 values. Entropy is a metric and carries no gradient.
+    the group, so every rank gets the TP=1 values. Entropy is a metric and carries no gradient. Padding columns
+    (global id >= ``vocab_size``) are sliced off, so their logits get an exact zero gradient.
     """
-    logits = _fp32_or_wider(logits)
+    vocab_start, real = shard_columns(logits.shape[-1], tp_group, vocab_size)
+    logits = _fp32_or_wider(logits)[:, :real]
     local_ids = target_ids.long() - vocab_start
-    in_shard = (local_ids >= 0) & (local_ids < logits.shape[-1])
-    max_logit = logits.detach().max(dim=-1).values
+    in_shard = (local_ids >= 0) & (local_ids < real)
+    if real:
+        max_logit = logits.detach().max(dim=-1).values
+    else:  # an all-padding shard contributes nothing to any sum
+        max_logit = logits.new_full((logits.shape[0],), float("-inf"))
     if tp_group is not None:
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - max_logit[:, None]
     exp = shifted.exp()
     sum_exp = exp.sum(dim=-1)
-    target = torch.where(in_shard, shifted.gather(-1, local_ids.clamp(0, logits.shape[-1] - 1)[:, None])[:, 0], 0.0)
+    picked = shifted.gather(-1, local_ids.clamp(0, max(real - 1, 0))[:, None])[:, 0] if real else sum_exp
+    target = torch.where(in_shard, picked, 0.0)
     sum_exp_shifted = (exp * shifted).detach().sum(dim=-1)
     if tp_group is not None:
         sum_exp = _AllReduceForwardIdentityBackward.apply(sum_exp, tp_group)
@@ -79,12 +98,12 @@ def logprob_and_entropy_from_logits(logits, target_ids, tp_group=None, vocab_sta
     return target - log_sum_exp, entropy
 
 
-def linear_logprob(hidden, weight, target_ids, tp_group=None):
+def linear_logprob(hidden, weight, target_ids, tp_group=None, vocab_size=None):
     """Log-prob of each target token (and entropy) from hidden [N, H] and the output weight shard [V_local, H]."""
     if tp_group is not None:
         hidden = _IdentityForwardAllReduceBackward.apply(hidden, tp_group)
     logits = _fp32_or_wider(hidden) @ _fp32_or_wider(weight).t()
-    return logprob_and_entropy_from_logits(logits, target_ids, tp_group, vocab_shard_start(weight.shape[0], tp_group))
+    return logprob_and_entropy_from_logits(logits, target_ids, tp_group, vocab_size)
 
 
 def grpo_per_token_loss(logprobs, old_logprobs, advantages, *, clip_eps_low, clip_eps_high, dual_clip_c=None,

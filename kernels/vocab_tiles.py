@@ -92,7 +92,9 @@ def combine_partials(partials: torch.Tensor, tp_group=None):
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
     offset = run_max - max_logit  # re-reference every split's sums to the global max
     weight = torch.exp(offset)
-    stats = torch.stack([(run_sum * weight).sum(0), ((run_sum_z + offset * run_sum) * weight).sum(0), target.sum(0)])
+    # an all-padding TP shard (empty_partials) has run_max -inf and run_sum 0, where offset * run_sum is NaN
+    moved_sum_z = torch.where(run_sum > 0, run_sum_z + offset * run_sum, 0.0)
+    stats = torch.stack([(run_sum * weight).sum(0), (moved_sum_z * weight).sum(0), target.sum(0)])
     if tp_group is not None:
         dist.all_reduce(stats, group=tp_group)
     sum_exp, sum_exp_shifted, target_logit = stats.unbind(0)
@@ -104,6 +106,13 @@ def combine_partials(partials: torch.Tensor, tp_group=None):
 
 def new_partials(num_tokens: int, geo: Geometry, device) -> torch.Tensor:
     return torch.empty(NUM_PARTIALS, geo.splits, num_tokens, dtype=torch.float32, device=device)
+
+
+def empty_partials(num_tokens: int, device) -> torch.Tensor:
+    """The statistics of a TP shard without a single real column: no max, no mass, no target."""
+    partials = torch.zeros(NUM_PARTIALS, 1, num_tokens, dtype=torch.float32, device=device)
+    partials[0] = float("-inf")
+    return partials
 
 
 @triton.jit

@@ -63,6 +63,17 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 64) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def mark_real_vocab(output_layer, vocab_size: int) -> None:
+    """Record the model's real vocabulary on its (padded, vocab-sharded) output layer, which only knows its rows:
+    every log-softmax over that layer's logits reads it back with :func:`real_vocab` to leave the padding out."""
+    output_layer.real_vocab_size = vocab_size
+
+
+def real_vocab(output_layer) -> int:
+    """The real vocabulary recorded by :func:`mark_real_vocab` (the model provider does it for every model)."""
+    return output_layer.real_vocab_size
+
+
 def transformer_config(
     preset: Qwen35Preset,
     parallel: ParallelConfig | None = None,

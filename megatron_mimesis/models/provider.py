@@ -11,7 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_mimesis.models.config import padded_vocab_size
+from megatron_mimesis.models.config import mark_real_vocab, padded_vocab_size
 from megatron_mimesis.models.layer_specs import Backend, block_spec, select_backend
 from megatron_mimesis.models.presets import Qwen35Preset
 
@@ -38,7 +38,7 @@ class ModelProvider:
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         backend = self.backend or select_backend()
-        return GPTModel(
+        model = GPTModel(
             config=self.config,
             transformer_layer_spec=block_spec(self.config, backend, vp_stage=vp_stage),
             vocab_size=self.padded_vocab_size,
@@ -51,3 +51,6 @@ class ModelProvider:
             rotary_base=int(self.preset.rotary_base),
             vp_stage=vp_stage,
         )
+        if post_process:
+            mark_real_vocab(model.output_layer, self.preset.vocab_size)
+        return model

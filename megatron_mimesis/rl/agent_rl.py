@@ -108,7 +108,7 @@ class AgentRL(RLLoop):
         if c.user_model == "openai":
             return _LeaderUserModel(OpenAIUserModel(**c.user_model_options), self.mp_group)
         options = c.user_model_options
-        engine = LocalEngine(self.frozen_copy(options["load"]), self.tokenizer, len(self.tokenizer), self.device)
+        engine = LocalEngine(self.frozen_copy(options["load"]), self.tokenizer, self.device)
         sampling = SamplingParams(max_new_tokens=options.get("max_new_tokens", 512),
                                   temperature=options.get("temperature", 1.0))
         return EngineUserModel(engine, ChatRenderer(self.tokenizer, thinking=options.get("thinking", True)), sampling,

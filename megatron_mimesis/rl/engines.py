@@ -13,7 +13,7 @@ from megatron_mimesis.rl.weight_sync import sync_weights
 def build_rollout_engine(config, trainer, tokenizer):
     """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes."""
     if config.engine == "local":
-        engine = LocalEngine(trainer.model, tokenizer, len(tokenizer), trainer.device)
+        engine = LocalEngine(trainer.model, tokenizer, trainer.device)
     else:
         from megatron_mimesis.rl.vllm_engine import VLLMEngine
 

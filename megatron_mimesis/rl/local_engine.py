@@ -6,7 +6,8 @@ packed into one THD row so that each sequence attends (and carries DeltaNet stat
 rank of a model-parallel group calls ``generate`` with the same prompts; the last pipeline stage samples
 from the full-vocabulary logits and broadcasts the tokens along the pipeline, so all ranks agree. Log-probs are
 those of the untempered distribution (temperature and top-p only shape the sampling), as the policy loss
-recomputes them from the same model.
+recomputes them from the same model. The logits are cut to the model's real vocabulary (the rows megatron pads the
+output layer with are no tokens), the same one the trainer's softmax and vLLM's sampler cover.
 """
 
 from functools import partial
@@ -16,16 +17,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
 
+from megatron_mimesis.models.config import real_vocab
 from megatron_mimesis.rl.engine import sample_tokens
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
 
 class LocalEngine:
-    def __init__(self, model_chunks, tokenizer, vocab_size: int, device: torch.device):
+    def __init__(self, model_chunks, tokenizer, device: torch.device):
         self.model = model_chunks if isinstance(model_chunks, list) else [model_chunks]
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size  # the tokenizer's; megatron pads the output layer beyond it
         self.device = device
 
     def sleep(self) -> None:
@@ -64,8 +66,8 @@ class LocalEngine:
         next(data_iterator)
         logits = model(tokens, positions, None, packed_seq_params=params, runtime_gather_output=True)
 
-        def keep_last_logits(output, non_loss_data=False):
-            return output[0, last, : self.vocab_size].float()
+        def keep_last_logits(output, non_loss_data=False):  # called on the last pipeline stage only
+            return output[0, last, :real_vocab(get_attr_wrapped_model(model, "output_layer"))].float()
 
         return logits, keep_last_logits
 

@@ -104,7 +104,7 @@ def collate_rows(samples: list[dict], pad_to_multiple: int, device) -> dict:
 
 def _policy_output_processor(loss_config: PolicyLossConfig, batch: dict, *, hidden_states, output_layer,
                              output_weight, config, **_):
-    hidden, weight = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
+    hidden, weight, vocab_size = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
     flat = {k: batch[k].reshape(-1) for k in TOKEN_FIELDS}
     loss_sum, metrics = fused_linear_policy_loss(
         hidden, weight, flat["labels"], flat["loss_mask"].to(hidden.dtype), flat["old_logprobs"], flat["advantages"],
@@ -112,7 +112,7 @@ def _policy_output_processor(loss_config: PolicyLossConfig, batch: dict, *, hidd
         csd_alpha=loss_config.csd_alpha, csd_beta=loss_config.csd_beta,
         ref_logprobs=flat["ref_logprobs"] if loss_config.kl_coef else None, kl_coef=loss_config.kl_coef, clip_eps_low=loss_config.clip_eps_low,
         clip_eps_high=loss_config.clip_eps_high, dual_clip_c=loss_config.dual_clip_c, normalizer=1.0,
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=vocab_size,
     )
     return loss_sum, metrics
 

@@ -32,9 +32,9 @@ def _sample(context_ids: list[int], response_ids: list[int]) -> dict:
 
 
 def _logprob_output_processor(target_ids, *, hidden_states, output_layer, output_weight, config, **_):
-    hidden, weight = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
+    hidden, weight, vocab_size = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
     return fused_linear_logprobs(hidden, weight, target_ids.reshape(-1),
-                                 tp_group=parallel_state.get_tensor_model_parallel_group())
+                                 tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=vocab_size)
 
 
 def _forward_step(data_iterator, model):

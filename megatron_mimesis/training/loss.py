@@ -12,25 +12,28 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_mimesis.kernels import fused_linear_cross_entropy
+from megatron_mimesis.models.config import real_vocab
 
 
 def fused_loss_inputs(hidden_states, output_layer, output_weight, config):
-    """GPTModel's [s, b, h] final hidden states (sequence-sharded under SP) -> token-major [b*s, h] and the output
-    weight shard (the embedding when tied): what the fused losses take instead of logits."""
+    """GPTModel's [s, b, h] final hidden states (sequence-sharded under SP) -> what the fused losses take instead of
+    logits: token-major [b*s, h], the output weight shard (the embedding when tied) and, as ``vocab_size``, the
+    model's real vocabulary, so that the rows megatron pads the output layer with never enter a softmax."""
     if config.sequence_parallel:
         # The fused losses all-reduce their hidden-state gradient over TP themselves (every rank gets the full
         # one), so the gather's backward must only keep this rank's slice, not reduce-scatter (summing again).
         hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
     weight = output_weight if output_weight is not None else output_layer.weight
-    return hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1]), weight
+    hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1])
+    return hidden, weight, real_vocab(output_layer)
 
 
 def lm_loss_output_processor(*, hidden_states, output_layer, output_weight, labels, loss_mask, config, **_):
     """[s, b, h] hidden states (sequence-sharded under SP) -> summed masked cross entropy (a scalar)."""
-    hidden, weight = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
+    hidden, weight, vocab_size = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
     loss_sum, _ = fused_linear_cross_entropy(
         hidden, weight, labels.reshape(-1), loss_mask.reshape(-1).to(hidden.dtype),
-        tp_group=parallel_state.get_tensor_model_parallel_group(), normalizer=1.0,
+        tp_group=parallel_state.get_tensor_model_parallel_group(), normalizer=1.0, vocab_size=vocab_size,
     )
     return loss_sum
 

@@ -6,7 +6,7 @@ import torch
 from megatron_mimesis.models.config import ParallelConfig
 from megatron_mimesis.rl.local_engine import LocalEngine
 from megatron_mimesis.rl.types import SamplingParams
-from tests.models.harness import PRESET, build_megatron_from_hf, hf_reference, init_single_process_megatron
+from tests.models.harness import build_megatron_from_hf, hf_reference, init_single_process_megatron
 from tests.multiproc import run_distributed
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 7, 8, 200, 31, 64, 2]]
@@ -20,7 +20,7 @@ class _Decoder:
 
 def _engine(hf_state, parallel=None):
     model, _, _ = build_megatron_from_hf(hf_state, parallel or ParallelConfig())
-    return LocalEngine(model, _Decoder(), PRESET.vocab_size, torch.device("cpu"))
+    return LocalEngine(model, _Decoder(), torch.device("cpu"))
 
 
 def test_greedy_tokens_and_logprobs_match_transformers():

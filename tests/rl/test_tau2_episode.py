@@ -53,7 +53,7 @@ def test_tiny_model_agent_runs_a_mock_episode_scored_by_tau2(tiny_dataset, tiny_
     init_single_process_megatron()
     model, _, _ = build_megatron_from_hf(LazyHFState(tiny_hf_checkpoint), ParallelConfig(),
                                          preset=get_preset("tiny").replace(vocab_size=VOCAB))
-    engine = LocalEngine(model, tokenizer, len(tokenizer), torch.device("cpu"))
+    engine = LocalEngine(model, tokenizer, torch.device("cpu"))
     runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=False), _user(),
                                 SamplingParams(max_new_tokens=6, seed=1), max_agent_turns=2)
     (episode,) = runner.run(Tau2Suite("mock"), ["update_task_1"], rollouts_per_task=1, step_seed=0)
