@@ -34,6 +34,10 @@ setup(
         "dev": ["pytest>=8", "ruff", "liger-kernel", "chitchat-dataset"],
         # apex is not on PyPI under that name: build it from NVIDIA's sources when wanted.
         "gpu": [
+            # Triton 3.4.0 up to 3.7.1 miscompiles fla's Gated DeltaNet backward on Hopper (fla issue #640);
+            # torch >= 2.12.1 ships Triton 3.7.1. Config validation refuses the bad pair too (compat/fla_guard.py).
+            "torch>=2.12.1",
+            "triton>=3.7.1",
             "transformer-engine[pytorch]",
             "flash-attn",
             "flash-linear-attention",

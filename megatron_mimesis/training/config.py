@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_mimesis.compat.fla_guard import refuse_known_miscompiles
 from megatron_mimesis.models.config import ParallelConfig, validate_layout
 from megatron_mimesis.models.presets import PRESETS, Qwen35Preset, get_preset
 
@@ -121,6 +122,7 @@ class TrainConfig:
         try:
             preset = self.preset
             validate_layout(preset, self.parallel)
+            refuse_known_miscompiles()
         except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from None
         if self.context_parallel_size > 1:
