@@ -12,6 +12,7 @@ import torch
 
 from . import reference
 from .dispatch import resolve_impl
+from .launch_config import launch
 
 
 def _run_heads(*sorted_keys):
@@ -48,12 +49,13 @@ def foldgrpo_advantages(rewards, group_ids, rollout_ids=None, *, eps=1e-6, unbia
     groups, rollouts = group_ids[order], rollout_ids[order]
     starts = _segment_starts(_run_heads(groups))
     first_of_rollout = _run_heads(groups, rollouts).to(torch.int8)
-    from .group_stats_kernels import BLOCK, group_advantage_kernel
+    from .group_stats_kernels import group_advantage_kernel
 
     out = torch.empty(n, dtype=torch.float32, device=rewards.device)
+    config = launch("group_stats.group_advantage", rewards.device)
     group_advantage_kernel[(n,)](rewards.float()[order].contiguous(), first_of_rollout, order, starts, out, n, eps,
                                  UNBIASED=unbiased, ZERO_POSITIVE_FOR_NEGATIVE=zero_positive_for_negative_reward,
-                                 BLOCK=BLOCK)
+                                 **config.constexprs, **config.options)
     return out
 
 
@@ -68,5 +70,7 @@ def discounted_returns(rewards_per_turn, episode_ids, gamma=0.8, *, impl="auto")
     from .group_stats_kernels import discounted_returns_kernel
 
     out = torch.empty(n, dtype=torch.float32, device=rewards_per_turn.device)
-    discounted_returns_kernel[(n,)](rewards_per_turn.float()[order].contiguous(), order, starts, out, n, gamma)
+    config = launch("group_stats.discounted_returns", rewards_per_turn.device)
+    discounted_returns_kernel[(n,)](rewards_per_turn.float()[order].contiguous(), order, starts, out, n, gamma,
+                                    **config.options)
     return out

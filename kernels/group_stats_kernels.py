@@ -3,8 +3,6 @@
 import triton
 import triton.language as tl
 
-BLOCK = 128
-
 
 @triton.jit
 def group_advantage_kernel(REWARD, FIRST, ORDER, STARTS, OUT, num_rows, eps, UNBIASED: tl.constexpr,

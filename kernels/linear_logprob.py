@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import interpreting
+from .launch_config import launch
 from .reference import shard_columns
 from .vocab_tiles import (
     combine_partials,
@@ -39,15 +40,8 @@ from .vocab_tiles import (
     store_partials,
 )
 
-# 8 warps: a [64, 128] fp32 logits tile and the softmax temporaries beside it then take ~32 registers each per
-# thread instead of 64, which keeps the forward's online update from spilling.
-NUM_WARPS = 8
-
-
-def _blocks():
-    """(tokens, vocab, hidden) tile sizes. The interpreter gets small tiles so tiny CPU test shapes still span
-    several tiles with ragged edges."""
-    return (16, 32, 16) if interpreting() else (64, 128, 64)
+# Row width of the d logits buffer: a multiple of 16 elements whatever the vocab shard, so its rows stay aligned.
+GRAD_ROW_ALIGN = 16
 
 
 @triton.jit
@@ -90,9 +84,11 @@ def _forward_kernel(H, W, TARGET, PART, num_tokens, vocab, hidden_size, vocab_st
 
 @triton.jit
 def _grad_logits_kernel(H, W, TARGET, LSE, DLOGPROB, GRAD_LOGITS, num_tokens, vocab, hidden_size, vocab_start,
-                        tiles_per_split, stride_h, stride_w, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """d logits = dl * (onehot - exp(z - lse)) for one chunk of tokens, z recomputed in fp32."""
+                        tiles_per_split, stride_h, stride_w, grad_stride, BLOCK_N: tl.constexpr,
+                        BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """d logits = dl * (onehot - exp(z - lse)) for one chunk of tokens, z recomputed in fp32. Rows of GRAD_LOGITS
+    are ``grad_stride`` (a multiple of 16) wide and written in full, zeros past ``vocab``: with a row stride and a
+    store mask of unknown alignment the stores are not vectorised and the kernel spills on sm_80."""
     split = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_tokens
@@ -111,8 +107,9 @@ def _grad_logits_kernel(H, W, TARGET, LSE, DLOGPROB, GRAD_LOGITS, num_tokens, vo
                              BLOCK_N, BLOCK_V, BLOCK_H, PRECISION, UPCAST)
             onehot = tl.where(cols[None, :] == local_target[:, None], 1.0, 0.0)
             dz = dlogprob[:, None] * (onehot - tl.exp(z - lse[:, None]))
-        tl.store(GRAD_LOGITS + rows[:, None] * vocab + cols[None, :], dz.to(GRAD_LOGITS.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        dz = tl.where(col_ok[None, :], dz, 0.0)
+        tl.store(GRAD_LOGITS + rows[:, None] * grad_stride + cols[None, :], dz.to(GRAD_LOGITS.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < grad_stride)[None, :])
 
 
 def _chunk_tokens(vocab: int, element_size: int) -> int:
@@ -124,37 +121,42 @@ def _chunk_tokens(vocab: int, element_size: int) -> int:
 
 
 @triton.jit
-def _accumulate_grad_weight_kernel(GRAD_LOGITS, H, GRAD_W, num_tokens, vocab, hidden_size, stride_h,
+def _accumulate_grad_weight_kernel(GRAD_LOGITS, H, GRAD_W, num_tokens, vocab, hidden_size, stride_h, grad_stride,
                                    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """GRAD_W[v_tile, h_tile] += GRAD_LOGITS[:, v_tile]^T @ H[:, h_tile] over one chunk of tokens. Each program
-    owns its fp32 output tile (no atomics) and reads it once per chunk; products run on the tensor cores."""
+    owns its fp32 output tile (no atomics) and reads it once per chunk; products run on the tensor cores.
+
+    The chunk's product is summed first and the fp32 tile read only after the loop: a [BLOCK_V, BLOCK_H] block of
+    64-bit output pointers kept alive across the loop costs 128 registers a thread at 128 x 128 tiles. Loads of
+    GRAD_LOGITS are masked at its (16-aligned) row width, whose columns past ``vocab`` are zeros."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     ks = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < vocab
     k_ok = ks < hidden_size
-    out = GRAD_W + cols[:, None] * hidden_size + ks[None, :]
-    acc = tl.load(out, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_V, BLOCK_H), tl.float32)
     for t0 in range(0, num_tokens, BLOCK_K):
         rows = (t0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         row_ok = rows < num_tokens
-        dz = tl.load(GRAD_LOGITS + rows[:, None] * vocab + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                     other=0.0)
+        dz = tl.load(GRAD_LOGITS + rows[:, None] * grad_stride + cols[None, :],
+                     mask=row_ok[:, None] & (cols < grad_stride)[None, :], other=0.0)
         h = tl.load(H + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(mma_operand(dz, UPCAST)), mma_operand(h, UPCAST), acc, input_precision=PRECISION)
-    tl.store(out, acc, mask=col_ok[:, None] & k_ok[None, :])
+    out = GRAD_W + cols[:, None] * hidden_size + ks[None, :]
+    out_ok = (cols < vocab)[:, None] & k_ok[None, :]
+    tl.store(out, acc + tl.load(out, mask=out_ok, other=0.0), mask=out_ok)
 
 
 def _accumulate_grad_weight(grad_w, grad_logits, chunk_hidden):
     """grad_w (fp32) += grad_logits^T @ chunk_hidden, so grad_W loses no bits to bf16 rounding across chunks
-    (torch's fp32-output addmm for bf16 operands does not accept an fp32 accumulator in every release)."""
-    block_v, block_h, block_k = (32, 16, 16) if interpreting() else (128, 128, 64)
+    (torch's fp32-output addmm for bf16 operands does not accept an fp32 accumulator in every release, and none
+    on the CPU, where the interpreter tests run this path)."""
+    config = launch("linear_logprob.grad_weight", grad_w.device)
     vocab, hidden_size = grad_w.shape
-    grid = (triton.cdiv(vocab, block_v), triton.cdiv(hidden_size, block_h))
+    grid = (triton.cdiv(vocab, config.constexprs["BLOCK_V"]), triton.cdiv(hidden_size, config.constexprs["BLOCK_H"]))
     _accumulate_grad_weight_kernel[grid](grad_logits, chunk_hidden, grad_w, chunk_hidden.shape[0], vocab,
-                                         hidden_size, chunk_hidden.stride(0), BLOCK_V=block_v, BLOCK_H=block_h,
-                                         BLOCK_K=block_k, PRECISION=dot_precision(chunk_hidden.dtype),
-                                         UPCAST=interpreting(), num_warps=NUM_WARPS)
+                                         hidden_size, chunk_hidden.stride(0), grad_logits.stride(0),
+                                         PRECISION=dot_precision(chunk_hidden.dtype), UPCAST=interpreting(),
+                                         **config.constexprs, **config.options)
 
 
 class LinearLogprob(torch.autograd.Function):
@@ -178,14 +180,14 @@ class LinearLogprob(torch.autograd.Function):
         weight = weight[:real]
         num_tokens, hidden_size = hidden.shape
         if real:
-            block_n, block_v, block_h = _blocks()
-            geo = geometry(num_tokens, real, block_n, block_v, hidden.device)
+            config = launch("linear_logprob.forward", hidden.device)
+            geo = geometry(num_tokens, real, config.constexprs["BLOCK_N"], config.constexprs["BLOCK_V"],
+                           hidden.device)
             partials = new_partials(num_tokens, geo, hidden.device)
             _forward_kernel[geo.grid](hidden, weight, target_ids, partials, num_tokens, real, hidden_size,
                                       vocab_start, geo.tiles_per_split, geo.splits, hidden.stride(0),
-                                      weight.stride(0), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
-                                      PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
-                                      num_warps=NUM_WARPS)
+                                      weight.stride(0), PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
+                                      **config.constexprs, **config.options)
         else:
             partials = empty_partials(num_tokens, hidden.device)
         logprob, entropy, log_sum_exp = combine_partials(partials, tp_group)
@@ -205,22 +207,24 @@ class LinearLogprob(torch.autograd.Function):
                              device=weight.device) if need_w else None
         if grad_logprob is not None and weight.shape[0]:
             dlogprob = grad_logprob.float().contiguous()
-            block_n, block_v, block_h = _blocks()
+            config = launch("linear_logprob.grad_logits", hidden.device)
             vocab = weight.shape[0]
-            chunk = _chunk_tokens(vocab, hidden.element_size())
+            row_width = triton.cdiv(vocab, GRAD_ROW_ALIGN) * GRAD_ROW_ALIGN
+            chunk = _chunk_tokens(row_width, hidden.element_size())
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 chunk_hidden = hidden[rows]
-                grad_logits = torch.empty(chunk_hidden.shape[0], vocab, dtype=hidden.dtype, device=hidden.device)
-                geo = geometry(chunk_hidden.shape[0], vocab, block_n, block_v, hidden.device)
+                grad_logits = torch.empty(chunk_hidden.shape[0], row_width, dtype=hidden.dtype, device=hidden.device)
+                geo = geometry(chunk_hidden.shape[0], vocab, config.constexprs["BLOCK_N"],
+                               config.constexprs["BLOCK_V"], hidden.device)
                 _grad_logits_kernel[geo.grid](chunk_hidden, weight, target_ids[rows], log_sum_exp[rows],
                                               dlogprob[rows], grad_logits, chunk_hidden.shape[0], vocab,
                                               hidden.shape[1], ctx.vocab_start, geo.tiles_per_split,
-                                              hidden.stride(0), weight.stride(0), BLOCK_N=block_n, BLOCK_V=block_v,
-                                              BLOCK_H=block_h, PRECISION=dot_precision(hidden.dtype),
-                                              UPCAST=interpreting(), num_warps=NUM_WARPS)
+                                              hidden.stride(0), weight.stride(0), row_width,
+                                              PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
+                                              **config.constexprs, **config.options)
                 if need_h:
-                    grad_h[rows] = grad_logits @ weight
+                    grad_h[rows] = grad_logits[:, :vocab] @ weight
                 if need_w:
                     _accumulate_grad_weight(grad_w[:vocab], grad_logits, chunk_hidden)
         if ctx.tp_group is not None and need_h:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import interpreting
+from .launch_config import launch
 from .reference import shard_columns
 from .vocab_tiles import (
     combine_partials,
@@ -19,12 +19,6 @@ from .vocab_tiles import (
     online_update,
     store_partials,
 )
-
-
-def _blocks():
-    """(tokens, vocab) tile sizes; memory-bound, so wide vocab tiles. Small under the interpreter so CPU test
-    shapes span several tiles with ragged edges."""
-    return (16, 32) if interpreting() else (16, 512)
 
 
 @triton.jit
@@ -85,12 +79,13 @@ class LogitsLogprob(torch.autograd.Function):
         vocab_start, real = shard_columns(logits.shape[1], tp_group, vocab_size)
         geo = None
         if real:
-            block_n, block_v = _blocks()
-            geo = geometry(num_tokens, real, block_n, block_v, logits.device)
+            config = launch("logits_logprob.forward", logits.device)
+            geo = geometry(num_tokens, real, config.constexprs["BLOCK_N"], config.constexprs["BLOCK_V"],
+                           logits.device)
             partials = new_partials(num_tokens, geo, logits.device)
             _forward_kernel[geo.grid](logits, target_ids, partials, num_tokens, real, vocab_start,
-                                      geo.tiles_per_split, geo.splits, logits.stride(0), BLOCK_N=block_n,
-                                      BLOCK_V=block_v)
+                                      geo.tiles_per_split, geo.splits, logits.stride(0), **config.constexprs,
+                                      **config.options)
         else:
             partials = empty_partials(num_tokens, logits.device)
         logprob, entropy, log_sum_exp = combine_partials(partials, tp_group)
@@ -108,11 +103,11 @@ class LogitsLogprob(torch.autograd.Function):
         grad_logits = (torch.zeros if ctx.real < logits.shape[1] else torch.empty)(
             logits.shape, dtype=logits.dtype, device=logits.device)
         if ctx.real:
-            block_n, block_v = _blocks()
+            config = launch("logits_logprob.backward", logits.device)
             _backward_kernel[ctx.geo.grid](logits, target_ids, log_sum_exp, grad_logprob.float().contiguous(),
                                            grad_logits, logits.shape[0], ctx.real, ctx.vocab_start,
                                            ctx.geo.tiles_per_split, logits.stride(0), grad_logits.stride(0),
-                                           BLOCK_N=block_n, BLOCK_V=block_v)
+                                           **config.constexprs, **config.options)
         return grad_logits, None, None, None
 
 

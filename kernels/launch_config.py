@@ -1,0 +1,65 @@
+"""How every Triton kernel of the project is launched (tile sizes, warps, pipeline stages), per GPU architecture.
+
+The one table that the launchers and the ahead-of-time resource check (``aot_check.py``, run in CI without a GPU)
+both read, so what CI compiles for sm_80 / sm_90a is exactly what an A100 / H100 runs. Under the Triton
+interpreter (the CPU tests) the tiles are small so that tiny test shapes still span several tiles with ragged
+edges; warps and stages mean nothing there.
+"""
+
+from dataclasses import dataclass, field
+
+from .dispatch import interpreting
+
+INTERPRETER = "interpreter"
+# Ampere (and Ada, sm_86/89, whose SMs have the same 64K registers) run the sm_80 configuration; Blackwell the
+# sm_90 one until it is measured.
+ARCHS = ("sm_80", "sm_90")
+
+
+@dataclass(frozen=True)
+class Launch:
+    constexprs: dict = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's default on CUDA
+
+    @property
+    def options(self) -> dict:
+        """Keyword arguments of ``kernel[grid](...)`` besides the kernel's own."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def _same_on_gpus(interpreter: Launch, gpu: Launch) -> dict:
+    return {INTERPRETER: interpreter, **dict.fromkeys(ARCHS, gpu)}
+
+
+LAUNCHES: dict[str, dict[str, Launch]] = {
+    "linear_logprob.forward": _same_on_gpus(
+        Launch({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16}), Launch({"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64},
+                                                                     num_warps=8)),
+    "linear_logprob.grad_logits": _same_on_gpus(
+        Launch({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16}), Launch({"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64},
+                                                                     num_warps=8)),
+    "linear_logprob.grad_weight": _same_on_gpus(
+        Launch({"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16}), Launch({"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 64},
+                                                                     num_warps=8)),
+    "logits_logprob.forward": _same_on_gpus(Launch({"BLOCK_N": 16, "BLOCK_V": 32}),
+                                            Launch({"BLOCK_N": 16, "BLOCK_V": 512})),
+    "logits_logprob.backward": _same_on_gpus(Launch({"BLOCK_N": 16, "BLOCK_V": 32}),
+                                             Launch({"BLOCK_N": 16, "BLOCK_V": 512})),
+    "group_stats.group_advantage": _same_on_gpus(Launch({"BLOCK": 128}), Launch({"BLOCK": 128})),
+    "group_stats.discounted_returns": _same_on_gpus(Launch(), Launch()),
+}
+
+
+def arch_of(device) -> str:
+    """The LAUNCHES column for a device: the interpreter's, or the GPU's architecture family."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER
+    import torch
+
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm_80" if major < 9 else "sm_90"
+
+
+def launch(kernel: str, device) -> Launch:
+    return LAUNCHES[kernel][arch_of(device)]
