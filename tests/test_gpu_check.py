@@ -1,0 +1,76 @@
+"""The GPU acceptance run's orchestration on the CPU: the no-GPU line, stage isolation (a stage that fails, one that
+hangs past its cap with partial results, one the total budget no longer covers) and the report files. The stages
+are replaced at the process boundary (the command each child runs); the report code is the real one."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from megatron_mimesis import gpu_check
+
+STUB = textwrap.dedent("""
+    import json, os, sys, time
+    name, out = sys.argv[1], sys.argv[2]
+    path = f"{out}/stage_{name}.json"
+    if name == "kernels":
+        time.sleep(float(os.environ.get("STUB_KERNELS_SECONDS", "0")))
+        rows = [{"provider": "ours", "fwd_bwd_ms": 250.5, "vs_ours": 1.0},
+                {"provider": "torch-eager", "fwd_bwd_ms": 801.0, "vs_ours": 3.2, "status": "ok"}]
+        json.dump({"rows": rows, "notes": ["GEMMs take 120 ms"]}, open(path, "w"))
+    elif name == "parity":
+        print("RuntimeError: CUDA error: an illegal memory access was encountered")
+        sys.exit(3)
+    else:
+        json.dump({"rows": [{"layers": "4", "tokens_per_s": 9000.0}], "notes": []}, open(path, "w"))
+        time.sleep(60)
+""")
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megatron_mimesis.gpu_check", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines() == [
+        "gpu_check: no CUDA GPU visible to this process (torch.cuda.is_available() is False); nothing run"]
+    assert not any(tmp_path.iterdir())
+
+
+def _stub_stages(monkeypatch, tmp_path, caps, budget):
+    script = tmp_path / "stub.py"
+    script.write_text(STUB)
+    monkeypatch.setattr(gpu_check, "stage_command", lambda name, out: [sys.executable, str(script), name, str(out)])
+    monkeypatch.setattr(gpu_check, "detect_gpu", lambda: "NVIDIA H200 (stub)")
+    monkeypatch.setattr(gpu_check, "STAGE_CAPS", caps)
+    monkeypatch.setattr(gpu_check, "TOTAL_BUDGET_S", budget)
+
+
+def test_each_stage_is_isolated_and_the_report_is_written(monkeypatch, tmp_path, capsys):
+    out = tmp_path / "report"
+    _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 3}, budget=120)
+    assert gpu_check.main(["--out", str(out)]) == 1
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["device"] == "NVIDIA H200 (stub)" and set(report["versions"]) >= {"torch", "triton"}
+    kernels, parity, throughput = (report["stages"][s] for s in ("kernels", "parity", "throughput"))
+    assert kernels["status"] == "ok" and kernels["rows"][1]["fwd_bwd_ms"] == 801.0
+    assert parity["status"] == "failed (rc 3): RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert throughput["status"] == "timeout after 3 s (partial results kept)"
+    assert throughput["rows"] == [{"layers": "4", "tokens_per_s": 9000.0}] and 3 <= throughput["seconds"] < 30
+    md = (out / "gpu_check.md").read_text()
+    assert "# GPU check: NVIDIA H200 (stub)" in md
+    assert "| provider | fwd_bwd_ms | vs_ours | status |" in md and "| torch-eager | 801 | 3.2 | ok |" in md
+    assert "| ours | 250 | 1 | - |" in md and "- GEMMs take 120 ms" in md
+    assert "## throughput: timeout after 3 s" in md
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].strip() for line in printed[:3]] == ["kernels", "parity", "throughput"]
+
+
+def test_stages_past_the_total_budget_are_skipped_and_reported(monkeypatch, tmp_path):
+    out = tmp_path / "report"
+    _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 30}, budget=18)
+    monkeypatch.setenv("STUB_KERNELS_SECONDS", "4")  # leaves under the 15 s a stage needs at least
+    assert gpu_check.main(["--out", str(out), "--stages", "kernels", "throughput"]) == 1
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert list(report["stages"]) == ["kernels", "throughput"]
+    assert report["stages"]["kernels"]["status"] == "ok"
+    assert report["stages"]["throughput"]["status"] == "skipped: total time budget spent"
