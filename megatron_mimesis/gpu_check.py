@@ -10,8 +10,9 @@ it goes, so a stage stopped at its cap still reports what it measured:
   H=2048, bf16: forward+backward time and peak memory of ours, Liger's ``triton_grpo_loss`` and
   ``LigerFusedLinearGRPOLoss``, torch eager and torch.compile (``kernels/bench.py``'s providers), each as a ratio
   to ours and to the three bare cuBLAS lm-head GEMMs measured in the same run, with errors against fp32.
-- parity: the compiled Triton kernels against the plain-PyTorch references (padded and unpadded vocab), and fla's
-  Gated DeltaNet against the CPU fallback on packed THD rows of several documents (outputs and gradients).
+- parity: the compiled Triton kernels against the plain-PyTorch references (padded and unpadded vocab), fla's
+  Gated DeltaNet against the CPU fallback on packed THD rows of several documents (outputs and gradients), and the
+  Transformer Engine layer spec against the local spec on the same weights (logits, loss, gradients, bf16).
 - throughput: 4 Qwen3.5-9B-width layers (3 Gated DeltaNet + 1 attention) plus the 248320-row lm head and the fused
   loss at sequence length 24576, micro-batch 1, bf16, Transformer Engine + fla on this one GPU: tokens/s,
   TFLOP/s and MFU by ``training/flops.py``, peak memory, and the extrapolation to 32 layers at TP=4 with its
@@ -188,7 +189,7 @@ def _max_rel(actual, expected) -> float:
 
 def stage_parity(rec: StageRecorder) -> None:
     """Each check on its own: one that fails is a row saying so, and the next still runs."""
-    for check in (_kernel_parity, _fla_parity):
+    for check in (_kernel_parity, _fla_parity, _te_vs_local_parity):
         try:
             check(rec)
         except Exception as error:  # noqa: BLE001 - a failed check is a result
@@ -270,11 +271,57 @@ def _fla_parity(rec: StageRecorder) -> None:
     rec.note("fla #640 (Triton 3.4.0 to 3.7.0 on Hopper) shows as dbeta/dg far off while the outputs agree")
 
 
-def stage_throughput(rec: StageRecorder) -> None:
+def _init_single_gpu_megatron() -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+
+
+def _te_vs_local_parity(rec: StageRecorder) -> None:
+    """The tiny preset built with the Transformer Engine spec and with the local spec, on the same (HF) weights."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import Qwen3_5ForCausalLM
+
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.hf_weights import gather_hf_tensors, load_hf_weights
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.models.provider import ModelProvider
+
+    _init_single_gpu_megatron()
+    preset = get_preset("tiny")
+    torch.manual_seed(0)
+    state = Qwen3_5ForCausalLM(preset.to_hf_config()).state_dict()
+    tokens = torch.randint(0, preset.vocab_size, (2, 256), device="cuda")
+    positions = torch.arange(256, device="cuda").expand(2, 256)
+    results = {}
+    for backend in ("te", "local"):
+        provider = ModelProvider(preset, transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16),
+                                 backend=backend)
+        model = provider().cuda()
+        load_hf_weights(model, state, preset, provider.padded_vocab_size)
+        logits = model(tokens, positions, None)[..., :preset.vocab_size].float()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        results[backend] = (logits.detach(), loss.item(),
+                            gather_hf_tensors(model, preset, provider.padded_vocab_size, grads=True))
+    (te_logits, te_loss, te_grads), (local_logits, local_loss, local_grads) = results["te"], results["local"]
+    rec.row(check="TE spec vs local spec (tiny preset, bf16, same weights)",
+            logits_max_abs=(te_logits - local_logits).abs().max().item(), loss_abs=abs(te_loss - local_loss),
+            grad_max_rel=max(_max_rel(te_grads[name], grad) for name, grad in local_grads.items()))
+
+
+def stage_throughput(rec: StageRecorder) -> None:
+    import torch
 
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
     from megatron_mimesis.models.presets import get_preset
@@ -282,12 +329,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
     from megatron_mimesis.training.loss import lm_loss_output_processor
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    _init_single_gpu_megatron()
     preset = get_preset("9b").replace(num_layers=THROUGHPUT_LAYERS, mtp_num_layers=0)
     config = transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16)
     model = ModelProvider(preset, config, backend="te")().cuda()
@@ -342,7 +384,6 @@ def stage_throughput(rec: StageRecorder) -> None:
     rec.note(f"extrapolation assumes: layers cost the same as the measured 3:1 mix, TP={PAPER_TP} splits every "
              "layer's and the head's work perfectly with no communication cost, no pipeline bubble, embedding and "
              "optimizer step not counted: an upper bound; tokens_per_s of that row is per GPU")
-    dist.destroy_process_group()
 
 
 STAGES = {"kernels": stage_kernels, "parity": stage_parity, "throughput": stage_throughput}
