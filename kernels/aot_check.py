@@ -2,9 +2,8 @@
 says about it: registers, spills, shared memory and how many CTAs fit on one SM.
 
 ``python -m megatron_mimesis.kernels.aot_check [--arch 80 90 100] [--json FILE]`` prints a Markdown table and
-exits 1 when any kernel spills. CI checks sm_80 (A100) and sm_90a (H100/H200); sm_100a (Blackwell, through the
-wheel's ptxas-blackwell) compiles too and is reported, but Blackwell runs the sm_90 launch configuration, which
-has not been tuned for it. Each kernel is compiled at the launch configuration ``launch_config.LAUNCHES``
+exits 1 when any kernel spills. CI checks sm_80 (A100), sm_90a (H100/H200) and sm_100a (B200, through the
+wheel's ptxas-blackwell, which Triton itself uses for 10.x). Each kernel is compiled at the launch configuration ``launch_config.LAUNCHES``
 gives its architecture (the one the launcher uses), in the training dtype (bf16), in both argument
 specialisations Triton's JIT compiles at run time: pointers are 16-byte aligned (torch allocations are) and the
 integer sizes and strides either all multiples of 16 (``sizes x16``: production shapes) or not (``sizes any``: a
@@ -62,7 +61,7 @@ KERNELS = {
 
 # compute capability -> (LAUNCHES column, registers per SM, shared memory per SM in bytes, threads per SM)
 TARGETS = {80: ("sm_80", 65536, 164 * 1024, 2048), 90: ("sm_90", 65536, 228 * 1024, 2048),
-           100: ("sm_90", 65536, 228 * 1024, 2048)}
+           100: ("sm_100", 65536, 228 * 1024, 2048)}
 MAX_CTAS_PER_SM = 32
 SHARED_RESERVED_PER_CTA = 1024  # the driver keeps 1 KiB of each CTA's shared memory
 
@@ -151,8 +150,8 @@ def table(rows: list[Resources]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=sorted(TARGETS),
-                        help="compute capabilities to compile for (default: 80 90 = A100, H100/H200)")
+    parser.add_argument("--arch", type=int, nargs="+", default=sorted(TARGETS), choices=sorted(TARGETS),
+                        help="compute capabilities to compile for (default: 80 90 100 = A100, H100/H200, B200)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--workers", type=int, default=2, help="parallel compilations (default: 2)")
     args = parser.parse_args(argv)

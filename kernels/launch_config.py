@@ -1,9 +1,9 @@
 """How every Triton kernel of the project is launched (tile sizes, warps, pipeline stages), per GPU architecture.
 
 The one table that the launchers and the ahead-of-time resource check (``aot_check.py``, run in CI without a GPU)
-both read, so what CI compiles for sm_80 / sm_90a is exactly what an A100 / H100 runs. Under the Triton
-interpreter (the CPU tests) the tiles are small so that tiny test shapes still span several tiles with ragged
-edges; warps and stages mean nothing there.
+both read, so what CI compiles for sm_80 / sm_90a / sm_100a is exactly what an A100 / H100 / B200 runs. Under the
+Triton interpreter (the CPU tests) the tiles are small so that tiny test shapes still span several tiles with
+ragged edges; warps and stages mean nothing there.
 
 Occupancy (``aot_check`` table): the three hidden-state kernels are GEMM-shaped (a K loop over the hidden size
 feeding the tensor cores, 64x128x64 / 128x128x64 tiles, 8 warps, 3 cp.async stages). They run 1 CTA of 8 warps
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from .dispatch import interpreting
 
 INTERPRETER = "interpreter"
-# Ampere (and Ada, sm_86/89, whose SMs have the same 64K registers) run the sm_80 configuration; Blackwell the
-# sm_90 one until it is measured.
-ARCHS = ("sm_80", "sm_90")
+# Ampere (and Ada, sm_86/89, whose SMs have the same 64K registers) run the sm_80 configuration, Hopper sm_90,
+# Blackwell (10.x and later) sm_100.
+ARCHS = ("sm_80", "sm_90", "sm_100")
 
 
 @dataclass(frozen=True)
@@ -38,22 +38,26 @@ class Launch:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def _same_on_gpus(interpreter: Launch, gpu: Launch) -> dict:
-    return {INTERPRETER: interpreter, **dict.fromkeys(ARCHS, gpu)}
+def _same_on_gpus(interpreter: Launch, gpu: Launch, **per_arch: Launch) -> dict:
+    return {INTERPRETER: interpreter, **dict.fromkeys(ARCHS, gpu), **per_arch}
 
 
 LAUNCHES: dict[str, dict[str, Launch]] = {
+    # sm_100a: 3 stages spill (ptxas holds it at 128 registers); 4 stages do not
     "linear_logprob.forward": _same_on_gpus(
         Launch({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16}), Launch({"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64},
-                                                                     num_warps=8)),
+                                                                     num_warps=8),
+        sm_100=Launch({"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=4)),
     "linear_logprob.grad_logits": _same_on_gpus(
         Launch({"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16}), Launch({"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64},
                                                                      num_warps=8)),
     "linear_logprob.grad_weight": _same_on_gpus(
         Launch({"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16}), Launch({"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 64},
                                                                      num_warps=8)),
+    # sm_100a: 4 warps spill at sizes that are not multiples of 16; 8 warps halve the [16, 512] tile per thread
     "logits_logprob.forward": _same_on_gpus(Launch({"BLOCK_N": 16, "BLOCK_V": 32}),
-                                            Launch({"BLOCK_N": 16, "BLOCK_V": 512})),
+                                            Launch({"BLOCK_N": 16, "BLOCK_V": 512}),
+                                            sm_100=Launch({"BLOCK_N": 16, "BLOCK_V": 512}, num_warps=8)),
     "logits_logprob.backward": _same_on_gpus(Launch({"BLOCK_N": 16, "BLOCK_V": 32}),
                                              Launch({"BLOCK_N": 16, "BLOCK_V": 512})),
     "group_stats.group_advantage": _same_on_gpus(Launch({"BLOCK": 128}), Launch({"BLOCK": 128})),
@@ -68,7 +72,7 @@ def arch_of(device) -> str:
     import torch
 
     major, _ = torch.cuda.get_device_capability(device)
-    return "sm_80" if major < 9 else "sm_90"
+    return "sm_80" if major < 9 else "sm_90" if major == 9 else "sm_100"
 
 
 def launch(kernel: str, device) -> Launch:

@@ -1,5 +1,5 @@
-"""Every Triton kernel the project launches, compiled ahead of time for A100 (sm_80) and H100/H200 (sm_90a) at the
-launch configuration its launcher picks there, without a GPU: ptxas must report no register spill.
+"""Every Triton kernel the project launches, compiled ahead of time for A100 (sm_80), H100/H200 (sm_90a) and B200
+(sm_100a) at the launch configuration its launcher picks there, without a GPU: ptxas must report no register spill.
 
 The compile runs in a subprocess because this process has TRITON_INTERPRET=1 (the interpreter replaces kernels by
 Python functions). Its resource table (registers, spills, shared memory, resident CTAs per SM) is printed."""
@@ -34,15 +34,15 @@ def test_every_launched_kernel_is_checked_and_configured():
 
 
 @pytest.mark.slow
-def test_no_kernel_spills_on_a100_or_h100(tmp_path):
+def test_no_kernel_spills_on_a100_h100_or_b200(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "resources.json"
-    done = subprocess.run([sys.executable, "-m", "megatron_mimesis.kernels.aot_check", "--arch", "80", "90",
+    done = subprocess.run([sys.executable, "-m", "megatron_mimesis.kernels.aot_check", "--arch", "80", "90", "100",
                            "--json", str(out)], env=env, capture_output=True, text=True, timeout=900)
     print(done.stdout)
     rows = json.loads(out.read_text())
     assert {(r["kernel"], r["target"], r["sizes"]) for r in rows} == {
-        (kernel, target, sizes) for kernel in KERNELS for target in ("sm_80", "sm_90a") for sizes in ("x16", "any")}
+        (kernel, target, sizes) for kernel in KERNELS for target in ("sm_80", "sm_90a", "sm_100a") for sizes in ("x16", "any")}
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     assert not spilling, spilling
     assert done.returncode == 0, done.stderr[-2000:]
