@@ -6,9 +6,17 @@ The sampler is Megatron-LM's pretraining sampler: step k of a run reads samples
 the exact next sample, which is what a checkpoint stores. Every pipeline stage reads the batch too: each
 needs the document boundaries (attention and DeltaNet state restart there), the first stage the tokens
 and the last the labels.
+
+Loader workers are the rank's helpers, not targets of its signals: torchrun and srun deliver SIGTERM / SIGUSR1
+to the rank's whole process group, and a worker that died of it would make the rank raise before it saves. The
+workers ignore those signals (the rank acts on them and then closes its loader, which ends them) and die with
+the rank however it ends (:mod:`megatron_mimesis.lifetime`).
 """
 
 import json
+import os
+import signal
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,6 +24,8 @@ from megatron.core import parallel_state
 
 from megatron_mimesis.data.blend import build_blended_datasets
 from megatron_mimesis.data.collate import collate_packed, packed_seq_params
+from megatron_mimesis.lifetime import die_with_parent
+from megatron_mimesis.training.signals import ExitSignal
 
 
 class MicroBatchSampler:
@@ -59,8 +69,14 @@ def make_loader(dataset, total_samples: int, consumed_samples: int, micro_batch_
     )
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_packed, num_workers=num_workers,
-        persistent_workers=num_workers > 0,
+        persistent_workers=num_workers > 0, worker_init_fn=partial(_init_worker, os.getpid()),
     )
+
+
+def _init_worker(rank_pid: int, worker_id: int) -> None:
+    die_with_parent(rank_pid)
+    for sig in ExitSignal.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
