@@ -16,6 +16,7 @@ the rank however it ends (:mod:`megatron_mimesis.lifetime`).
 import json
 import os
 import signal
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +26,10 @@ from megatron.core import parallel_state
 from megatron_mimesis.data.blend import build_blended_datasets
 from megatron_mimesis.data.collate import collate_packed, packed_seq_params
 from megatron_mimesis.lifetime import die_with_parent
+from megatron_mimesis.training.config import ConfigError
 from megatron_mimesis.training.signals import ExitSignal
+
+SHM_DIR = "/dev/shm"  # where torch's shared-memory tensors live on Linux (shm_open)
 
 
 class MicroBatchSampler:
@@ -53,6 +57,19 @@ def dataset_manifest(data_path: str | Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no manifest; is {data_path} a data_prep output directory?")
     return json.loads(path.read_text())
+
+
+def check_worker_shared_memory(num_workers: int) -> None:
+    """Refuse, before any process starts, loader workers that could not hand a batch over: they pass tensors
+    through POSIX shared memory (``SHM_DIR``), which containers often mount read-only or tiny."""
+    if num_workers == 0:
+        return
+    try:
+        with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="mimesis-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{SHM_DIR}: not writable ({exc.strerror}); DataLoader workers pass batches through "
+                          f"shared memory there: make it writable or set num_workers: 0") from None
 
 
 def build_datasets(data_path: str | Path, seq_length: int, train_samples: int, valid_samples: int, seed: int):
