@@ -46,7 +46,8 @@ class LocalRun:
         return self.proc
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text()
 
     def wait(self, timeout: float = 600) -> int:
