@@ -2,7 +2,8 @@
 
 For work that needs megatron's parallel state but no launcher: CPU checkpoint import at a TP/PP layout,
 and the multi-process tests. Processes are spawned (not forked), so each builds its own process groups
-and megatron-core global state, exactly as under torchrun.
+and megatron-core global state, exactly as under torchrun, and each dies with the process that started it
+(:mod:`megatron_mimesis.lifetime`): a killed test run or conversion leaves no rank waiting in a collective.
 """
 
 import os
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_mimesis.lifetime import die_with_parent
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,7 +24,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_dir):
+def _worker(rank, world_size, parent_pid, port, fn, args, result_dir):
+    die_with_parent(parent_pid)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -47,7 +51,7 @@ def run_gloo_processes(fn, world_size: int, *args):
     """
     with tempfile.TemporaryDirectory() as result_dir:
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, result_dir), nprocs=world_size, join=True)
+            mp.spawn(_worker, args=(world_size, os.getpid(), _free_port(), fn, args, result_dir), nprocs=world_size, join=True)
         except mp.ProcessRaisedException as exc:
             raise RuntimeError(f"a rank failed:\n{exc}") from None
         results = [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,5 +1,32 @@
-"""The tests' name for the library's gloo launcher (test bodies run on N spawned gloo ranks)."""
+"""The tests' name for the library's gloo launcher (test bodies run on N spawned gloo ranks), and the processes
+of one run, found by an environment marker the test set (never by a process name other runs share)."""
+
+import os
 
 from megatron_mimesis.gloo import run_gloo_processes as run_distributed
 
-__all__ = ["run_distributed"]
+__all__ = ["processes_with_env", "run_distributed"]
+
+
+def processes_with_env(name: str, value: str) -> dict[int, dict]:
+    """Live processes whose environment has ``name=value``: pid -> {ppid, cmdline, rss_mb}."""
+    wanted = f"{name}={value}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if wanted not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited while being looked at
+        if status.get("State", "").split()[:1] == ["Z"]:
+            continue  # a zombie has exited; only its parent's wait is missing
+        rss_kb = int(status.get("VmRSS", "0 kB").split()[0])
+        found[int(entry)] = {"ppid": int(status["PPid"]), "cmdline": cmdline, "rss_mb": rss_kb / 1024}
+    return found

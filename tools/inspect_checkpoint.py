@@ -16,7 +16,12 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_mimesis.models.dist_ckpt_reader import RUN_CONFIG, CheckpointError, resolve_checkpoint_dir
+from megatron_mimesis.models.dist_ckpt_reader import (
+    RUN_CONFIG,
+    CheckpointError,
+    checkpoint_iteration,
+    resolve_checkpoint_dir,
+)
 from megatron_mimesis.models.hf_io import safetensors_files
 
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64",
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
             rows = list(dist_rows(directory, args.all))
             run_config = directory / RUN_CONFIG
             header = {"format": "megatron torch_dist", "directory": str(directory),
-                      "iteration": int(directory.name.removeprefix("iter_")),
+                      "iteration": checkpoint_iteration(directory),
                       "run_config": json.loads(run_config.read_text()) if run_config.exists() else None}
     except (CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

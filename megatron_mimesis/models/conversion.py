@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from megatron_mimesis.models.ckpt_integrity import record_files
 from megatron_mimesis.models.dist_ckpt_reader import RUN_CONFIG, TOKENIZER_SUBDIR, DistCheckpointReader
 from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
 from megatron_mimesis.models.mapping import qwen35_mapping
@@ -136,12 +137,13 @@ def _write_configs(out: Path, preset: Qwen35Preset, ref_config: dict | None, ref
 
 
 def _import_worker(rank, world_size, hf_dir: str, out_tmp: str, tp: int, pp: int, dtype: str):
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     from megatron_mimesis.compat import enable_cpu_compat
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
     from megatron_mimesis.models.hf_weights import load_hf_weights
     from megatron_mimesis.models.provider import ModelProvider
+    from megatron_mimesis.training.checkpointing import dist_save
 
     enable_cpu_compat()
     parallel_state.initialize_model_parallel(tp, pp)
@@ -153,7 +155,7 @@ def _import_worker(rank, world_size, hf_dir: str, out_tmp: str, tp: int, pp: int
     provider = ModelProvider(preset, config)
     model = provider()
     load_hf_weights(model, LazyHFState(hf_dir), preset, provider.padded_vocab_size)
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, out_tmp)
+    dist_save({"model": model.sharded_state_dict()}, out_tmp)
     if rank == 0:
         run_config = {"preset": vars(preset), "padded_vocab_size": provider.padded_vocab_size, "model_only": True,
                       "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -176,6 +178,7 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
         run_gloo_processes(_import_worker, tp * pp, str(hf_dir), str(iter_dir), tp, pp, dtype)
         if any((hf_dir / name).exists() for name in TOKENIZER_FILES):
             _copy_tokenizer(hf_dir, iter_dir / TOKENIZER_SUBDIR)
+        record_files(iter_dir)
         (tmp / "latest").write_text("0\n")
         _publish(tmp, out)
     except BaseException:

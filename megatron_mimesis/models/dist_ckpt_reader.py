@@ -9,6 +9,7 @@ memory stays at the size of the tensor asked for.
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -16,7 +17,17 @@ from torch.distributed.checkpoint import FileSystemReader, load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_mimesis.models.ckpt_integrity import (
+    FILES,
+    METADATA,
+    CheckpointError,
+    UnsafeCheckpointError,
+    check_checkpoint,
+    install_restricted_reader,
+)
 from megatron_mimesis.models.presets import Qwen35Preset
+
+install_restricted_reader()  # every reader of dist checkpoints imports this module: none reads a raw pickle
 
 # megatron-core's split names, in the order its TP=1 fused tensors concatenate them
 FUSED_PARTS = {
@@ -28,10 +39,8 @@ TOKENIZER_SUBDIR = "tokenizer"  # the trainer's copy of the tokenizer it trained
 
 
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    pass
+OLD_SUFFIX = ".old"  # a checkpoint being replaced by a re-save of its iteration (checkpointing.publish)
+_ITER_NAME = re.compile(r"iter_(\d{7})(\.old)?")
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:
@@ -39,30 +48,66 @@ def checkpoint_dir(root: str | Path, iteration: int) -> Path:
 
 
 def read_latest(root: str | Path) -> int:
-    """The iteration ``latest`` points at; a clear error when it is missing, corrupt or dangling."""
+    """The iteration ``latest`` names; a clear error when it is missing or corrupt."""
     latest = Path(root) / LATEST
     if not latest.exists():
         raise CheckpointError(f"{latest}: no checkpoint here (missing 'latest')")
     text = latest.read_text().strip()
     if not text.isdigit():
         raise CheckpointError(f"{latest}: corrupt, expected an iteration number, found {text[:40]!r}")
-    iteration = int(text)
-    if not (checkpoint_dir(root, iteration) / ".metadata").exists():
-        raise CheckpointError(f"{checkpoint_dir(root, iteration)}: 'latest' points at an incomplete or missing checkpoint")
-    return iteration
+    return int(text)
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    """The complete checkpoint of ``iteration``: ``iter_N``, or ``iter_N.old`` while a re-save of N is being
+    published; a one-line error naming what is missing or damaged otherwise."""
+    final = checkpoint_dir(root, iteration)
+    candidates = [d for d in (final, final.with_name(final.name + OLD_SUFFIX)) if d.exists()]
+    if not candidates:
+        raise CheckpointError(f"{final}: missing")
+    first_problem = None
+    for directory in candidates:
+        try:
+            check_checkpoint(directory)
+            return directory
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            first_problem = first_problem or exc
+    raise first_problem
+
+
+def newest_complete(root: str | Path) -> tuple[Path, list[str]]:
+    """What ``--load root`` resumes from: the checkpoint ``latest`` names when it is complete, else the newest
+    complete one; with the reasons for each checkpoint passed over (empty when ``latest``'s was taken). A crafted
+    checkpoint is refused, not passed over."""
+    latest = read_latest(root)
+    found = {int(m.group(1)) for d in Path(root).iterdir() if (m := _ITER_NAME.fullmatch(d.name))} - {latest}
+    skipped = []
+    for iteration in [latest, *sorted(found, reverse=True)]:
+        try:
+            return iteration_dir(root, iteration), skipped
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+    raise CheckpointError(f"{root}: no complete checkpoint ({'; '.join(skipped)})")
 
 
 def resolve_checkpoint_dir(path: str | Path, iteration: int | None = None) -> Path:
-    """A save root (with ``latest``) or one ``iter_N`` directory -> the ``iter_N`` directory to read."""
+    """A save root (with ``latest``) or one ``iter_N`` directory -> the verified ``iter_N`` directory to read."""
     path = Path(path)
-    if (path / ".metadata").exists():
+    if (path / METADATA).exists() or (path / FILES).exists():
+        check_checkpoint(path)
         return path
-    if iteration is None:
-        iteration = read_latest(path)
-    directory = checkpoint_dir(path, iteration)
-    if not (directory / ".metadata").exists():
-        raise CheckpointError(f"{directory}: missing or incomplete checkpoint (no .metadata)")
-    return directory
+    return iteration_dir(path, read_latest(path) if iteration is None else iteration)
+
+
+def checkpoint_iteration(directory: Path) -> int:
+    match = _ITER_NAME.fullmatch(directory.name)
+    if match is None:
+        raise CheckpointError(f"{directory}: not an iter_NNNNNNN checkpoint directory")
+    return int(match.group(1))
 
 
 class DistCheckpointReader:
@@ -74,7 +119,7 @@ class DistCheckpointReader:
         self.run_config = json.loads(config_path.read_text())
         self.preset = Qwen35Preset(**self.run_config["preset"])
         self.padded_vocab_size = int(self.run_config["padded_vocab_size"])
-        self.iteration = int(self.dir.name.removeprefix("iter_"))
+        self.iteration = checkpoint_iteration(self.dir)
         metadata = FileSystemReader(str(self.dir)).read_metadata()
         self._stored = {
             k: v for k, v in metadata.state_dict_metadata.items()

@@ -1,10 +1,22 @@
 """Distributed checkpoints (megatron-core ``dist_checkpointing``, torch_dist format) that resume exactly.
 
-Layout: ``SAVE/iter_0000100/`` (a dist checkpoint plus ``run_config.json``) and ``SAVE/latest`` holding the
-iteration. Each checkpoint is written to ``iter_0000100.tmp`` and renamed when every rank has finished, and
-``latest`` is replaced last (write + rename), so a run killed at any moment leaves ``latest`` pointing at a
-complete checkpoint. The distributed optimizer state is saved ``fully_reshardable``, so a checkpoint
-reloads at another TP/PP/DP layout.
+Layout: ``SAVE/iter_0000100/`` (a dist checkpoint plus ``run_config.json`` and ``files.json``, the size and
+checksum of every file) and ``SAVE/latest`` holding the iteration. Each checkpoint is written to
+``iter_0000100.tmp``, listed in ``files.json`` when every rank has finished, and renamed; ``latest`` is replaced
+last (write + rename). A re-save of an existing iteration (a finished job rerun or requeued) moves the old
+directory aside to ``iter_0000100.old`` rather than deleting it, and readers take ``.old`` while ``iter_N`` is
+absent, so a run killed at any moment leaves ``latest`` on a complete checkpoint. ``--load`` verifies it first
+and, when it is missing or damaged anyway (a disk that lost a shard), resumes from the newest complete one and
+says what it skipped. The distributed optimizer state is saved ``fully_reshardable``, so a checkpoint reloads at
+another TP/PP/DP layout.
+
+No helper process. megatron-core's torch_dist writer hands its results over a queue that it creates, at the first
+save, as ``multiprocessing.get_context("spawn").Manager().Queue()``: a spawned interpreter per rank (about 1 GB:
+it re-imports the trainer) that nothing ties to the rank, so it outlives a ``kill -9`` of the job. That queue only
+matters for megatron's asynchronous saves, whose writer runs in another process. This project saves
+synchronously: megatron runs the writer (and its threads) in the calling process, so :func:`dist_save` gives each
+save an in-process ``queue.Queue`` through megatron's own slot for it; nothing is started, nothing can be left
+behind, and a save no longer needs ``/dev/shm`` or a writable temp directory for a Manager socket.
 
 One repair lives here. megatron's distributed optimizer, when it falls back to ``torch.optim.Adam`` (no
 Transformer Engine / Apex: every CPU run, and GPU installs without them), cannot checkpoint correctly:
@@ -17,20 +29,26 @@ then increments once per parameter per step, so the bias correction after a resu
 
 import json
 import os
+import queue
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from megatron_mimesis.models.ckpt_integrity import record_files
 from megatron_mimesis.models.dist_ckpt_reader import (
     LATEST,
+    OLD_SUFFIX,
     TOKENIZER_SUBDIR,
     CheckpointError,
     checkpoint_dir,
-    read_latest,
+    checkpoint_iteration,
+    newest_complete,
 )
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -140,20 +158,42 @@ def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, s
         tmp.mkdir(parents=True)
     dist.barrier()
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
-    dist_checkpointing.save(state, str(tmp))
+    dist_save(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
         if tokenizer_dir is not None:
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = root / (LATEST + ".tmp")
-        latest_tmp.write_text(f"{iteration}\n")
-        os.replace(latest_tmp, root / LATEST)
+        record_files(tmp)
+        publish(tmp, root, iteration)
     dist.barrier()
     return final
+
+
+def dist_save(state: dict, directory: str | Path) -> None:
+    """``dist_checkpointing.save`` with megatron's results queue in this process (see the module docstring)."""
+    filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(state, str(directory))
+
+
+def publish(tmp: Path, root: Path, iteration: int) -> None:
+    """Make the complete ``tmp`` the checkpoint of ``iteration`` and point ``latest`` at it.
+
+    Every step is one rename, and at each point between them iteration N is readable: ``iter_N``, or ``iter_N.old``
+    (the previous save of N, moved aside rather than deleted) while ``iter_N`` is absent.
+    """
+    final = checkpoint_dir(root, iteration)
+    old = final.with_name(final.name + OLD_SUFFIX)
+    if old.exists() and not final.exists():  # a re-save killed between its two renames: restore the old one
+        os.replace(old, final)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    latest_tmp = root / (LATEST + ".tmp")
+    latest_tmp.write_text(f"{iteration}\n")
+    os.replace(latest_tmp, root / LATEST)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _saved_run_config(path: Path, preset: dict) -> dict:
@@ -175,8 +215,7 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset
 
     RNG streams are per rank, so they are restored only when the layout is the one that saved them.
     """
-    iteration = read_latest(root)
-    path = checkpoint_dir(root, iteration)
+    path = _resumable(root)
     saved = _saved_run_config(path, preset)
     if saved.get("model_only"):
         raise CheckpointError(f"{path}: holds weights only (an imported checkpoint); start from it with --finetune")
@@ -200,12 +239,20 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset
 def load_model_weights(root: str | Path, model_chunks, preset: dict) -> int:
     """Only the weights of ``root/latest`` (Megatron's --finetune: a new stage starts at iteration 0 with a fresh
     optimizer, e.g. SFT from the mid-training checkpoint, at any layout); returns the source iteration."""
-    iteration = read_latest(root)
-    path = checkpoint_dir(root, iteration)
+    path = _resumable(root)
     _saved_run_config(path, preset)
     loaded = dist_checkpointing.load(_model_state(model_chunks), str(path))
     _load_model(model_chunks, loaded)
-    return iteration
+    return checkpoint_iteration(path)
+
+
+def _resumable(root: str | Path) -> Path:
+    """The checkpoint ``--load`` reads; one loud line (rank 0) when it is not the one ``latest`` names."""
+    path, skipped = newest_complete(root)
+    if skipped and dist.get_rank() == 0:
+        print(f"warning: resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(skipped)}",
+              file=sys.stderr, flush=True)
+    return path
 
 
 def _load_model(model_chunks, loaded) -> None:

@@ -160,10 +160,10 @@ class TrainConfig:
         if self.pretrained_hf is not None and not Path(self.pretrained_hf).exists():
             raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
         if self.load:
-            from megatron_mimesis.models.dist_ckpt_reader import CheckpointError, read_latest
+            from megatron_mimesis.models.dist_ckpt_reader import CheckpointError, newest_complete
 
             try:
-                read_latest(self.load)
+                newest_complete(self.load)
             except CheckpointError as exc:
                 raise ConfigError(f"load: {exc}") from None
         if self.finetune and not self.load:

@@ -6,9 +6,18 @@ The sampler is Megatron-LM's pretraining sampler: step k of a run reads samples
 the exact next sample, which is what a checkpoint stores. Every pipeline stage reads the batch too: each
 needs the document boundaries (attention and DeltaNet state restart there), the first stage the tokens
 and the last the labels.
+
+Loader workers are the rank's helpers, not targets of its signals: torchrun and srun deliver SIGTERM / SIGUSR1
+to the rank's whole process group, and a worker that died of it would make the rank raise before it saves. The
+workers ignore those signals (the rank acts on them and then closes its loader, which ends them) and die with
+the rank however it ends (:mod:`megatron_mimesis.lifetime`).
 """
 
 import json
+import os
+import signal
+import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,6 +25,11 @@ from megatron.core import parallel_state
 
 from megatron_mimesis.data.blend import build_blended_datasets
 from megatron_mimesis.data.collate import collate_packed, packed_seq_params
+from megatron_mimesis.lifetime import die_with_parent
+from megatron_mimesis.training.config import ConfigError
+from megatron_mimesis.training.signals import ExitSignal
+
+SHM_DIR = "/dev/shm"  # where torch's shared-memory tensors live on Linux (shm_open)
 
 
 class MicroBatchSampler:
@@ -45,6 +59,19 @@ def dataset_manifest(data_path: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def check_worker_shared_memory(num_workers: int) -> None:
+    """Refuse, before any process starts, loader workers that could not hand a batch over: they pass tensors
+    through POSIX shared memory (``SHM_DIR``), which containers often mount read-only or tiny."""
+    if num_workers == 0:
+        return
+    try:
+        with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="mimesis-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{SHM_DIR}: not writable ({exc.strerror}); DataLoader workers pass batches through "
+                          f"shared memory there: make it writable or set num_workers: 0") from None
+
+
 def build_datasets(data_path: str | Path, seq_length: int, train_samples: int, valid_samples: int, seed: int):
     mixture = Path(data_path) / "mixture.json"
     if not mixture.exists():
@@ -59,8 +86,14 @@ def make_loader(dataset, total_samples: int, consumed_samples: int, micro_batch_
     )
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_packed, num_workers=num_workers,
-        persistent_workers=num_workers > 0,
+        persistent_workers=num_workers > 0, worker_init_fn=partial(_init_worker, os.getpid()),
     )
+
+
+def _init_worker(rank_pid: int, worker_id: int) -> None:
+    die_with_parent(rank_pid)
+    for sig in ExitSignal.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:

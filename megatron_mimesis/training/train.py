@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
-from megatron_mimesis.training.data import dataset_manifest
+from megatron_mimesis.training.data import check_worker_shared_memory, dataset_manifest
 
 
 def check_data(config: TrainConfig) -> dict:
     """Refuse a dataset whose rows or tokenizer do not fit the model, before any process group starts."""
+    check_worker_shared_memory(config.num_workers)
     try:
         manifest = dataset_manifest(config.data_path)
     except FileNotFoundError as exc:

@@ -60,6 +60,15 @@ def fake(tmp_path):
     return tmp_path, env
 
 
+def small_checkpoint(root: Path, iteration: int) -> None:
+    """A save root whose ``latest`` names a real (one-tensor) dist checkpoint: what --load validates."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(1)}, checkpoint_id=str(root / f"iter_{iteration:07d}"), no_dist=True)
+    (root / "latest").write_text(str(iteration))
+
+
 def slurm_env(env, tmp_path):
     return {
         **env,
@@ -163,9 +172,7 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
     tokenizer, checkpoint = tmp_path / "sft-tok", tmp_path / "sft-ckpt"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
-    (checkpoint / "iter_0000203").mkdir(parents=True)
-    (checkpoint / "iter_0000203" / ".metadata").write_text("")
-    (checkpoint / "latest").write_text("203")
+    small_checkpoint(checkpoint, 203)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "p0", "domain": "abcd", "prompt": "Book a flight."}\n')
     args = ["--dry-run", "--load", str(checkpoint), "--tokenizer", str(tokenizer), "--prompts", json.dumps([str(prompts)])]
@@ -212,9 +219,7 @@ def test_rl_agent_local_dry_run_without_gpu_is_the_toy_demo(fake):
     tokenizer, checkpoint = tmp_path / "demo-tok", tmp_path / "demo-ckpt"  # what the mid-training demo leaves
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
-    (checkpoint / "iter_0000200").mkdir(parents=True)
-    (checkpoint / "iter_0000200" / ".metadata").write_text("")
-    (checkpoint / "latest").write_text("200")
+    small_checkpoint(checkpoint, 200)
     result = run("rl_agent.sh", ["--dry-run", "--tokenizer", str(tokenizer), "--load", str(checkpoint)], env)
     assert result.returncode == 0, result.stderr
     assert "--standalone --nnodes 1 --nproc-per-node 2" in result.stdout
