@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -9,6 +10,16 @@ from tests.training.conftest import SEQ_LENGTH, VOCAB
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile'd pieces of megatron-core (e.g. the gated norm) compile once per test session, not per test.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm`` need the vLLM environment; elsewhere they skip with the command that builds it."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="needs vLLM: run in .venv-vllm (make venv-vllm; make test runs them there)")
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,9 @@ def _patch_torch_cuda():
     cuda.current_device = lambda: _CPU
     cuda.set_device = lambda device: None
     cuda.device_count = lambda: 1
+    # ...without making CUDA look available: with PYTORCH_NVML_BASED_CUDA_CHECK=1 (vLLM sets it on import)
+    # torch.cuda.is_available() is device_count() > 0, and torch's optimizers would then query a CUDA stream.
+    cuda.is_available = lambda: False
     cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None
     cuda.current_stream = lambda device=None: _NullStream()

