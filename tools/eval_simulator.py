@@ -75,7 +75,7 @@ def parse_args(argv):
     data.add_argument("--valid-fraction", type=float, metavar="F",
                       help="keep only the conversations data_prep puts in its valid split at F (default for the "
                            "embedded corpus: data_prep's default; for --input: every conversation)")
-    data.add_argument("--max-conversations", type=int, metavar="N", help="the first N held-out conversations")
+    data.add_argument("--max-conversations", type=int, metavar="N", help="read only the first N records of each corpus (as data_prep's flag)")
     data.add_argument("--seq-length", type=int, default=24576, help="likelihood windows, as the training rows")
     gen = parser.add_argument_group("sampling (the same for every simulator)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="per simulated turn")
@@ -94,6 +94,8 @@ def parse_args(argv):
     calib.add_argument("--env", choices=ENVS, help="the environment the tasks come from")
     calib.add_argument("--env-options", default="{}", metavar="JSON")
     calib.add_argument("--env-split", default="test", help="task split holding the outcome tasks")
+    calib.add_argument("--success-reward", type=float, default=1.0,
+                       help="episode reward that counts as success (1: tau2's task reward; 2 on the toy env)")
     calib.add_argument("--trials", type=int, default=1, help="episodes per task and simulator")
     calib.add_argument("--max-agent-turns", type=int, default=30)
     calib.add_argument("--agent-max-new-tokens", type=int, default=1024)
@@ -230,7 +232,8 @@ def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:
             if judge:
                 add_judgements(row, human, judge, by_key, progress)
             if calibration:
-                records += calibrate(row, simulator, agent, suite, real, episode_settings, progress)
+                records += calibrate(row, simulator, agent, suite, real, episode_settings,
+                                     args.success_reward, progress)
             rows.append(row)
             del simulator
     cache.close()

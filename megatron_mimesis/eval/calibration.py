@@ -3,7 +3,8 @@
 Input: a JSONL file of per-task real-user outcomes, ``{"task_id": str, "success": bool | number in [0, 1]}`` (a
 number is the share of real users who succeeded). One agent plays every listed task against each simulator
 (the shared episode machinery of :mod:`megatron_mimesis.eval.agents`, the env suites of agent RL). An episode
-succeeds when its reward reaches 1: tau2's 0/1 task reward, and the toy env's "the agent gave the code" point.
+succeeds when its reward reaches ``success_reward``: 1 for tau2's 0/1 task reward; the toy env pays a point per
+brief agent turn and one for the code, so there "brief and gave the code" is 2.
 
 Per simulator: its success rate and the gap to the real users' (simulated - real, in points), and its expected
 calibration error over tasks, reading the simulator's per-task success rate as a forecast of the real outcome:
@@ -15,7 +16,6 @@ from pathlib import Path
 
 from data_prep.records import decode_json_line
 
-SUCCESS_REWARD = 1.0
 ECE_BINS = 10
 
 
@@ -61,18 +61,18 @@ def expected_calibration_error(forecasts: list[float], outcomes: list[float], bi
                for idx in members.values())
 
 
-def task_success(pair: dict) -> dict[str, float]:
+def task_success(pair: dict, success_reward: float) -> dict[str, float]:
     """Per task, the share of its scored episodes that succeeded (tasks with none scored are absent)."""
     rates = {}
     for task_id, rewards in pair["task_rewards"].items():
         scored = [r for r in rewards if r is not None]
         if scored:
-            rates[task_id] = sum(r >= SUCCESS_REWARD for r in scored) / len(scored)
+            rates[task_id] = sum(r >= success_reward for r in scored) / len(scored)
     return rates
 
 
-def calibration_row(pair: dict, real: dict[str, float]) -> dict:
-    simulated = task_success(pair)
+def calibration_row(pair: dict, real: dict[str, float], success_reward: float) -> dict:
+    simulated = task_success(pair, success_reward)
     tasks = sorted(simulated)
     if not tasks:
         return {"tasks": 0, "unscored_tasks": len(real), "success_rate": None, "real_success_rate": None,

@@ -151,7 +151,8 @@ def metric_table(rows: list[RowResult], taxonomy: dict | None, judged: bool, n_b
     return {"metrics": [asdict(m) for m in chosen], "cells": table}
 
 
-def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, progress: bool) -> list[dict]:
+def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, success_reward: float,
+              progress: bool) -> list[dict]:
     """The agent's episodes against this simulator on the real users' tasks; returns the episode records."""
     from megatron_mimesis.eval.agents import episode_records, run_pair, score_pair
 
@@ -161,5 +162,5 @@ def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, pro
         tqdm.write(f"{row.name}: {len(task_ids) * settings.trials} agent episodes")
     episodes = run_pair(engine, tokenizer, simulator.user_model(), suite, task_ids, settings)
     pair = score_pair("agent", row.name, episodes, task_ids)
-    row.calibration = {**calibration_row(pair, real), "failures": pair["failures"]}
+    row.calibration = {**calibration_row(pair, real, success_reward), "failures": pair["failures"]}
     return episode_records("agent", row.name, episodes)

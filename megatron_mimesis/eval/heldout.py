@@ -46,7 +46,9 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
                        valid_fraction: float | None = None, max_conversations: int | None = None,
                        split: str = "train", **field_overrides: str | None) -> HeldOut:
     """The held-out set of ``inputs`` (empty: the embedded chit-chat corpus, whose known bad records are skipped
-    and counted as data_prep does; in any given input the first bad record is an error)."""
+    and counted as data_prep does; in any given input the first bad record is an error). ``max_conversations``
+    reads only the first N records of each corpus, as data_prep's flag of that name does, so a dataset built
+    with it has its held-out part here."""
     embedded = not inputs
     if embedded:
         sources = [chitchat_source()]
@@ -60,9 +62,10 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
         fmt = FORMATS[record_format].with_overrides(**field_overrides)
     user_speaker = user_speaker or ("both" if embedded else "role")
     held_out = HeldOut([], [])
-    kept = 0
     for source in sources:
-        for location, raw in source.records():
+        for count, (location, raw) in enumerate(source.records()):
+            if max_conversations is not None and count >= max_conversations:
+                break
             try:
                 record = decode_json_line(raw, location) if isinstance(raw, bytes) else raw
                 conversation = to_conversation(record, location, fmt)
@@ -77,9 +80,6 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
                 unit = f"{conversation.id}/{rendering}"
                 held_out.renderings.append((conversation, roles, unit))
                 held_out.positions += positions_of(conversation, roles, unit)
-            kept += 1
-            if max_conversations is not None and kept >= max_conversations:
-                return held_out
     if not held_out.positions:
         where = "the embedded corpus" if embedded else ", ".join(inputs)
         raise HeldOutError(f"{where}: no human turn to evaluate" +
