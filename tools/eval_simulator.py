@@ -243,6 +243,7 @@ def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:
 def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool, calibration, records) -> str:
     table = metric_table(rows, taxonomy, judged, args.bootstrap, args.seed)
     counts = {row.name: {"observations": len(row.observations), "likelihood_turns": len(row.likelihood),
+                         "likelihood_tokens": sum(t["tokens"] for t in row.likelihood),
                          "generation_errors": dict(row.generation_errors), "judge_errors": dict(row.judge_errors),
                          "overlong_turns": row.overlong_turns, "likelihood_note": row.likelihood_note,
                          "unscored_tasks": (row.calibration or {}).get("unscored_tasks", 0)} for row in rows}
