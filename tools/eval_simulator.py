@@ -91,6 +91,8 @@ def parse_args(argv):
     calib = parser.add_argument_group("task-difficulty calibration (optional)")
     calib.add_argument("--outcomes", type=Path, metavar="FILE", help='JSONL {"task_id", "success"} of real users')
     calib.add_argument("--agent", metavar="SPEC", help="the agent: hf:DIR or openai:URL@MODEL")
+    calib.add_argument("--agent-tokenizer", metavar="DIR", help="tokenizer of an openai agent (default: its MODEL "
+                                                                "when that is a directory)")
     calib.add_argument("--env", choices=ENVS, help="the environment the tasks come from")
     calib.add_argument("--env-options", default="{}", metavar="JSON")
     calib.add_argument("--env-split", default="test", help="task split holding the outcome tasks")
@@ -162,7 +164,7 @@ def validate_calibration(args):
     if missing:
         raise EvalError(f"calibration needs --outcomes, --agent and --env; missing {', '.join(missing)}")
     real = read_outcomes(args.outcomes)
-    agent = parse_spec(f"agent={args.agent}", "agent", AGENT_KINDS, args.env, args.tokenizer)
+    agent = parse_spec(f"agent={args.agent}", "agent", AGENT_KINDS, args.env, args.agent_tokenizer)
     if agent.kind == "openai":
         check_reachable(agent.target, "--agent", args.request_timeout)
     try:

@@ -63,9 +63,16 @@ def _rate(field):
 
 
 def _distinct(field):
+    """Distinct n-grams / n-grams within each conversation, averaged over conversations: a per-conversation
+    mean, so resampling conversations leaves it unbiased (pooled over a resample, duplicated conversations
+    would count as repetition)."""
+
     def distinct(obs):
-        grams = [g for o in obs if o.get(field) is not None for g in o[field]]
-        return _ratio(len(set(grams)), len(grams))
+        units = defaultdict(list)
+        for o in obs:
+            if o.get(field) is not None:
+                units[o["unit"]].extend(o[field])
+        return _mean(len(set(grams)) / len(grams) for grams in units.values() if grams)
 
     return distinct
 
@@ -109,8 +116,8 @@ BEHAVIOUR = {
     Metric("mean_words", "words/turn", "behaviour", "mean turn length in words"): mean_words,
     Metric("question_rate", "questions", "behaviour", "share of turns with a question mark"): _rate("question"),
     Metric("end_rate", "ends", "behaviour", "share of turns that end the conversation"): _rate("ended"),
-    Metric("distinct_1", "distinct-1", "behaviour", "distinct words / words, over all turns"): _distinct("unigrams"),
-    Metric("distinct_2", "distinct-2", "behaviour", "distinct word bigrams / bigrams, over all turns"):
+    Metric("distinct_1", "distinct-1", "behaviour", "distinct words / words in a conversation's turns, mean over conversations"): _distinct("unigrams"),
+    Metric("distinct_2", "distinct-2", "behaviour", "the same for word bigrams"):
         _distinct("bigrams"),
     Metric("copy_rate", "copying", "behaviour", "share of a turn's word bigrams found in the other side's last "
                                                 "turn"): copy_rate,

@@ -129,8 +129,9 @@ def plot_metrics(path: Path, table: dict, calibrated: bool) -> None:
     for ax, metric in zip(axes.flat, metrics, strict=False):
         cells = [table["cells"][r].get(metric["name"], _NA) for r in rows]
         values = [math.nan if c["value"] is None else c["value"] for c in cells]
-        errors = [[0 if c["low"] is None else c["value"] - c["low"] for c in cells],
-                  [0 if c["high"] is None else c["high"] - c["value"] for c in cells]]
+        # a percentile interval need not contain the estimate (e.g. a rate of 0 in most resamples)
+        errors = [[0 if c["low"] is None else max(0.0, c["value"] - c["low"]) for c in cells],
+                  [0 if c["high"] is None else max(0.0, c["high"] - c["value"]) for c in cells]]
         ax.bar(range(len(rows)), values, yerr=errors, capsize=3,
                color=["tab:gray" if r == "human" else "tab:blue" for r in rows])
         ax.set_xticks(range(len(rows)), rows, rotation=30, ha="right", fontsize=8)

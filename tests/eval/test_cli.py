@@ -60,7 +60,7 @@ GOOD = '{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "as
     (["--simulator", "a=openai:{live}@m", "--outcomes", "/no/o.jsonl"],
      "calibration needs --outcomes, --agent and --env; missing --agent, --env"),
     (["--simulator", "a=openai:{live}@m", "--outcomes", "/no/o.jsonl", "--agent", "openai:{live}@x", "--env", "toy",
-      "--tokenizer", "{tokenizer}"], "--outcomes /no/o.jsonl: no such file"),
+      "--agent-tokenizer", "{tokenizer}"], "--outcomes /no/o.jsonl: no such file"),
 ])
 def test_bad_flags_are_one_line(flags, message, server, tmp_path, capsys):
     tokenizer = tmp_path / "tok"
@@ -97,7 +97,7 @@ def test_bad_outcomes_name_the_file_and_line(lines, message, server, tmp_path, c
     tokenizer.mkdir()
     (tokenizer / "tokenizer_config.json").write_text("{}")
     err = run_bad(["--simulator", f"a=openai:{server.base_url}@m", "--input", str(heldout_file), "--outcomes",
-                   str(outcomes), "--agent", f"openai:{server.base_url}@x", "--tokenizer", str(tokenizer),
+                   str(outcomes), "--agent", f"openai:{server.base_url}@x", "--agent-tokenizer", str(tokenizer),
                    "--env", "toy"], tmp_path, capsys)
     assert message in err
 

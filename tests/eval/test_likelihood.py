@@ -22,14 +22,14 @@ def test_nll_equals_the_trainers_validation_loss_on_the_same_rows(tiny_dataset, 
     valid_rows = corpus["rows"]["valid"]
     # one step, then the trainer's own evaluation over every valid row exactly once (one epoch of the valid split)
     run_trainer(1, *common_args(tiny_dataset, tmp_path / "run", "--pretrained-hf", str(tiny_hf_checkpoint),
-                                "--train-iters", "1", "--lr-warmup-iters", "0", "--global-batch-size", "1", "--eval-interval", "1",
-                                "--eval-iters", str(valid_rows), "--save", str(tmp_path / "ckpt")))
+                                "--train-iters", "1", "--lr-warmup-iters", "0", "--global-batch-size", "1",
+                                "--eval-interval", "1", "--eval-iters", str(valid_rows), "--save", str(tmp_path / "ckpt")))
     valid_loss = next(r["loss"] for r in read_metrics(tmp_path / "run") if r.get("split") == "valid")
 
     out = tmp_path / "eval"
     # the dataset is the embedded corpus's first 300 records; its valid split is what the evaluation holds out
     code = eval_simulator.main(["--simulator", f"trained=ckpt:{tmp_path / 'ckpt'}", "--max-conversations", "300",
-                                "--seq-length", str(SEQ_LENGTH), "--max-new-tokens", "4", "--bootstrap", "20",
+                                "--seq-length", str(SEQ_LENGTH), "--max-new-tokens", "1", "--bootstrap", "20",
                                 "--output", str(out), "--no-progress"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
