@@ -42,7 +42,7 @@ def all_metrics(table: dict, calibrated: bool) -> list[dict]:
     return table["metrics"] + (CALIBRATION_METRICS if calibrated else [])
 
 
-def markdown(table: dict, counts: dict, calibrated: bool) -> str:
+def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict) -> str:
     rows = list(table["cells"])
     metrics = all_metrics(table, calibrated)
     lines = []
@@ -57,6 +57,9 @@ def markdown(table: dict, counts: dict, calibrated: bool) -> str:
                                                      for m in chosen) + " |")
         lines.append("")
     notes = []
+    if skipped_records:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(skipped_records.items()))
+        notes.append(f"- {sum(skipped_records.values())} bad records of the embedded corpus skipped ({reasons})")
     for row, count in counts.items():
         for what in ("generation_errors", "judge_errors"):
             if count.get(what):
