@@ -7,11 +7,13 @@ setup(
     python_requires=">=3.12",
     # `kernels/` lives at the top of the repo but is imported as megatron_mimesis.kernels, because a
     # top-level package named `kernels` clashes with an existing PyPI package.
-    packages=find_packages(include=["megatron_mimesis", "megatron_mimesis.*"])
+    # data_prep is installed too: the evaluation reads held-out conversations through its one rendering.
+    packages=find_packages(include=["megatron_mimesis", "megatron_mimesis.*", "data_prep"])
     + ["megatron_mimesis.kernels"]
     + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
     package_dir={"megatron_mimesis.kernels": "kernels"},
-    package_data={"megatron_mimesis.rl": ["templates/*.txt"]},
+    package_data={"megatron_mimesis.rl": ["templates/*.txt"],
+                  "megatron_mimesis.eval": ["templates/*.txt", "data/*.yaml"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.19.2,<0.20",

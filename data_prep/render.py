@@ -105,8 +105,7 @@ def render(
 
     samples = []
     closing = [chat.im_end, *chat.newline]
-    for user_role in _user_roles(turns, user_speaker):
-        view = [_role_as_rendered(t.role, user_role) for t in turns]
+    for view in rendered_roles(turns, user_speaker):
         is_target = [role == "user" and body is not None for role, body in zip(view, target_bodies, strict=True)]
         if not any(is_target):
             stats.no_target_turn += 1
@@ -136,6 +135,13 @@ def render(
             samples.append((tokens, spans))
         stats.samples += len(windows)
     return samples
+
+
+def rendered_roles(turns: tuple[Turn, ...], user_speaker: str) -> list[list[str]]:
+    """The role each turn is rendered as, once per rendering of the conversation (``both``: two renderings).
+
+    Public because evaluation must see a held-out conversation exactly as training does."""
+    return [[_role_as_rendered(t.role, user_role) for t in turns] for user_role in _user_roles(turns, user_speaker)]
 
 
 def _user_roles(turns: tuple[Turn, ...], user_speaker: str) -> list[str]:

@@ -1,0 +1,167 @@
+"""Agents playing episodes against user models: the episode machinery that both evaluations share.
+
+``tools/eval_agent.py`` runs every agent against a panel of user models; ``tools/eval_simulator.py`` runs one
+agent against each simulator to see whether a simulator makes tasks as hard as real users found them. Both parse
+``NAME=SPEC`` players, build them and score pairs here, with the env suites of :mod:`megatron_mimesis.rl.envs`
+and the episode runner of agent RL, so an agent is evaluated the way it is trained.
+
+A pair's episode is scored when it ran to the end; an episode whose user model or agent request failed, or that
+the env could not score, is left out and counted by reason: scoring it 0 would blame the agent for an outage.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from megatron_mimesis.rl.agent_episodes import AgentEpisodeRunner, score_episodes
+from megatron_mimesis.rl.chat import ChatRenderer
+from megatron_mimesis.rl.envs.toy import toy_user
+from megatron_mimesis.rl.hf_engine import HFEngine
+from megatron_mimesis.rl.openai_engine import OpenAICompletionsEngine
+from megatron_mimesis.rl.types import SamplingParams
+from megatron_mimesis.rl.user_models import EngineUserModel, OpenAIUserModel
+
+AGENT_KINDS = ("hf", "openai")
+USER_KINDS = ("hf", "openai", "scripted")
+
+
+class EvalError(Exception):
+    """Bad input; the message is the one line printed."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: str  # "hf" | "openai" | "scripted"
+    target: str  # checkpoint path, base URL, or "toy"
+    model: str = ""  # the served model's name (openai)
+    tokenizer: str = ""  # tokenizer directory (hf, and openai agents)
+
+
+def parse_spec(text: str, role: str, kinds: tuple[str, ...], env: str, tokenizer: str | None) -> Spec:
+    name, eq, spec = text.partition("=")
+    if not eq or not name or not spec:
+        raise EvalError(f"--{role} {text!r}: expected NAME=SPEC")
+    kind, colon, target = spec.partition(":")
+    where = f"--{role} {name}"
+    if not colon or kind not in kinds or not target:
+        raise EvalError(f"{where}: SPEC must be one of {', '.join(k + ':...' for k in kinds)}, not {spec!r}")
+    if kind == "scripted":
+        if target != "toy" or env != "toy":
+            raise EvalError(f"{where}: scripted:toy is the only scripted user, and only for --env toy")
+        return Spec(name, kind, target)
+    if kind == "hf":
+        if not (Path(target) / "config.json").is_file():
+            raise EvalError(f"{where}: {target} is not an HF checkpoint directory (no config.json)")
+        return Spec(name, kind, target, tokenizer=tokenizer_dir(where, tokenizer or target))
+    base_url, at, model = target.rpartition("@")
+    if not at or not model or not base_url.startswith(("http://", "https://")):
+        raise EvalError(f"{where}: expected openai:BASE_URL@MODEL with an http(s) URL, not {spec!r}")
+    if role == "user":
+        return Spec(name, kind, base_url, model)
+    if tokenizer is None and not Path(model).is_dir():
+        raise EvalError(f"{where}: an openai agent needs --tokenizer (the served model's tokenizer directory)")
+    return Spec(name, kind, base_url, model, tokenizer_dir(where, tokenizer or model))
+
+
+def tokenizer_dir(where: str, path: str) -> str:
+    if not (Path(path) / "tokenizer_config.json").is_file():
+        raise EvalError(f"{where}: no tokenizer in {path} (pass --tokenizer DIR)")
+    return path
+
+
+def parse_specs(texts: list[str], role: str, kinds: tuple[str, ...], env: str, tokenizer: str | None) -> list[Spec]:
+    specs = [parse_spec(t, role, kinds, env, tokenizer) for t in texts]
+    names = [s.name for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise EvalError(f"--{role} names must be unique; repeated: {', '.join(duplicates)}")
+    return specs
+
+
+
+
+# --------------------------------------------------------------------------- building the players
+def build_agent(spec: Spec, seed: int, request_timeout: float, concurrency: int):
+    """(engine, tokenizer) of an agent; an endpoint's failed requests come back as error generations, so that
+    the episodes they hit are counted as failed rather than ending the evaluation."""
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+    if spec.kind == "hf":
+        return HFEngine.from_pretrained(spec.target, tokenizer=tokenizer, seed=seed), tokenizer
+    return OpenAICompletionsEngine(spec.target, spec.model, tokenizer, timeout_s=request_timeout,
+                                   concurrency=concurrency, seed=seed, errors="return"), tokenizer
+
+
+def build_user(spec: Spec, max_new_tokens: int, temperature: float, request_timeout: float, concurrency: int,
+               seed: int):
+    if spec.kind == "scripted":
+        return toy_user()
+    if spec.kind == "openai":
+        return OpenAIUserModel(spec.target, spec.model, max_tokens=max_new_tokens, temperature=temperature,
+                               timeout_s=request_timeout, concurrency=concurrency)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+    engine = HFEngine.from_pretrained(spec.target, tokenizer=tokenizer, seed=seed)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    return EngineUserModel(engine, ChatRenderer(tokenizer, thinking=True), sampling)
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How the agent plays every episode; one value for all pairs so that scores compare."""
+
+    max_agent_turns: int = 30
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    agent_thinking: bool = True
+    trials: int = 1
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- one agent x user pair
+def run_pair(engine, tokenizer, user_model, suite, task_ids: list[str], settings: EpisodeSettings):
+    sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
+    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=settings.agent_thinking), user_model,
+                                sampling, settings.max_agent_turns)
+    return runner.run(suite, task_ids, rollouts_per_task=settings.trials, step_seed=settings.seed)
+
+
+def score_pair(agent: str, user: str, episodes: list, task_ids: list[str]) -> dict:
+    """Score the episodes that ran to the end; the rest are counted by reason and kept out of the mean."""
+    failures = score_episodes(episodes)
+    rewards = {task_id: [] for task_id in task_ids}
+    for episode in episodes:  # an episode left out of scoring has no turn rewards, hence reward None
+        rewards[episode.task.task_id].append(episode_reward(episode))
+    scored = [r for task in rewards.values() for r in task if r is not None]
+    return {"agent": agent, "user": user, "score": sum(scored) / len(scored) if scored else None,
+            "n_episodes": len(episodes), "n_scored": len(scored), "failures": failures, "task_rewards": rewards}
+
+
+def episode_reward(episode) -> float | None:
+    return None if episode.turn_rewards is None else float(sum(episode.turn_rewards))
+
+
+def episode_records(agent: str, user: str, episodes: list) -> list[dict]:
+    trials: dict[str, int] = {}
+    records = []
+    for episode in episodes:
+        task_id = episode.task.task_id
+        trials[task_id] = trials.get(task_id, 0) + 1
+        failed = episode.termination.startswith("error")
+        status = (f"failed: {episode.termination}" if failed else "unscored" if episode.turn_rewards is None
+                  else "scored")
+        records.append({
+            "agent": agent, "user": user, "task_id": task_id, "trial": trials[task_id] - 1, "status": status,
+            "termination": episode.termination, "reward": episode_reward(episode),
+            "turn_rewards": episode.turn_rewards, "agent_finish_reasons": [t.finish_reason for t in episode.turns],
+            "score_info": episode.score_info, "messages": episode.messages,
+        })
+    return records
+
+
+def prepare_output(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise EvalError(f"--output {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise EvalError(f"--output {path} is not empty; pass --overwrite to write into it")
+    path.mkdir(parents=True, exist_ok=True)

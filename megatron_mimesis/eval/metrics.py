@@ -1,0 +1,151 @@
+"""Every metric of the table as a function of one row's per-position observations, with bootstrap intervals.
+
+An observation is one held-out position seen from one row (a simulator, or the humans themselves): the features
+of that row's turn there, the human's word count there, and, where measured, the turn's NLL, the judge's Turing
+credit and behaviour labels. A metric is undefined (None, "n/a") when no observation carries what it needs.
+
+Confidence intervals resample *conversations* (percentile bootstrap over rendering units, ``n`` replicates,
+seeded): turns of one conversation are not independent, and resampling them alone would make the intervals too
+narrow.
+"""
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import wasserstein_distance
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    label: str  # the table's column header
+    group: str  # likelihood | behaviour | judged | calibration
+    what: str  # one line for the report
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def nll_per_token(obs):
+    scored = [o for o in obs if o.get("nll") is not None]
+    return _ratio(math.fsum(o["nll"] for o in scored), sum(o["tokens"] for o in scored))
+
+
+def bits_per_byte(obs):
+    scored = [o for o in obs if o.get("nll") is not None]
+    total = _ratio(math.fsum(o["nll"] for o in scored), sum(o["bytes"] for o in scored))
+    return None if total is None else total / math.log(2)
+
+
+def length_distance(obs):
+    """Earth mover's distance (in words) between this row's turn lengths and the humans' at the same positions."""
+    spoken = [o for o in obs if o.get("words") is not None]
+    if not spoken:
+        return None
+    return float(wasserstein_distance([o["words"] for o in spoken], [o["human_words"] for o in spoken]))
+
+
+def _rate(field):
+    def rate(obs):
+        return _mean(float(o[field]) for o in obs if o.get(field) is not None)
+
+    rate.__name__ = f"{field}_rate"
+    return rate
+
+
+def _distinct(field):
+    """Distinct n-grams / n-grams within each conversation, averaged over conversations: a per-conversation
+    mean, so resampling conversations leaves it unbiased (pooled over a resample, duplicated conversations
+    would count as repetition)."""
+
+    def distinct(obs):
+        units = defaultdict(list)
+        for o in obs:
+            if o.get(field) is not None:
+                units[o["unit"]].extend(o[field])
+        return _mean(len(set(grams)) / len(grams) for grams in units.values() if grams)
+
+    return distinct
+
+
+def mean_words(obs):
+    return _mean(o.get("words") for o in obs)
+
+
+def copy_rate(obs):
+    return _mean(o.get("copy") for o in obs)
+
+
+def turing_distance(obs):
+    """|accuracy - 50| in points: 0 when the judge cannot tell this row from the humans, 50 when it always can."""
+    accuracy = _mean(o.get("turing") for o in obs)
+    return None if accuracy is None else abs(100.0 * accuracy - 50.0)
+
+
+def dice(behaviour: str):
+    """2|H & S| / (|H| + |S|) over positions: H where the human's turn shows the behaviour, S where this row's
+    does. Undefined when neither ever shows it."""
+
+    def score(obs):
+        labelled = [o for o in obs if o.get("labels") is not None and o.get("human_labels") is not None]
+        both = sum(behaviour in o["labels"] and behaviour in o["human_labels"] for o in labelled)
+        total = sum(behaviour in o["labels"] for o in labelled) + sum(behaviour in o["human_labels"] for o in labelled)
+        return _ratio(2.0 * both, total)
+
+    return score
+
+
+LIKELIHOOD = {
+    Metric("nll_per_token", "NLL/token", "likelihood", "teacher-forced NLL of the human's turns, nats per token"):
+        nll_per_token,
+    Metric("bits_per_byte", "bits/byte", "likelihood", "the same NLL in bits per UTF-8 byte of the human's text"):
+        bits_per_byte,
+}
+BEHAVIOUR = {
+    Metric("length_distance", "length dist.", "behaviour", "earth mover's distance of turn lengths to the humans', "
+                                                           "words"): length_distance,
+    Metric("mean_words", "words/turn", "behaviour", "mean turn length in words"): mean_words,
+    Metric("question_rate", "questions", "behaviour", "share of turns with a question mark"): _rate("question"),
+    Metric("end_rate", "ends", "behaviour", "share of turns that end the conversation"): _rate("ended"),
+    Metric("distinct_1", "distinct-1", "behaviour", "distinct words / words in a conversation's turns, mean over conversations"): _distinct("unigrams"),
+    Metric("distinct_2", "distinct-2", "behaviour", "the same for word bigrams"):
+        _distinct("bigrams"),
+    Metric("copy_rate", "copying", "behaviour", "share of a turn's word bigrams found in the other side's last "
+                                                "turn"): copy_rate,
+    Metric("assistant_rate", "assistant-like", "behaviour", "share of turns with markdown lists/headers/bold, "
+                                                            "service openers or sign-offs"): _rate("assistant_like"),
+}
+TURING = {Metric("turing_distance", "Turing dist.", "judged", "|judge accuracy at spotting the human - 50|, "
+                                                              "points"): turing_distance}
+
+
+def dice_metrics(behaviours: list[str]) -> dict:
+    return {Metric(f"dice_{b}", f"Dice {b}", "judged", f"Dice of the {b!r} label against the human turns"): dice(b)
+            for b in behaviours}
+
+
+def bootstrap(obs: list[dict], metric, n: int, seed: int) -> tuple[float | None, float | None, float | None]:
+    """(value, 2.5th, 97.5th percentile) of ``metric`` with conversations resampled ``n`` times."""
+    value = metric(obs)
+    if value is None or n == 0:
+        return value, None, None
+    units = defaultdict(list)
+    for o in obs:
+        units[o["unit"]].append(o)
+    groups = list(units.values())
+    rng = random.Random(seed)
+    replicates = [v for v in (metric([o for g in rng.choices(groups, k=len(groups)) for o in g])
+                  for _ in range(n)) if v is not None]
+    if not replicates:
+        return value, None, None
+    low, high = np.percentile(replicates, [2.5, 97.5])
+    return value, float(low), float(high)
