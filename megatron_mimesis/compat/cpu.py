@@ -18,8 +18,9 @@ needed for correctness on CPU. Rather than forking megatron-core, this module:
   costs 10-20 s of compilation in every new process (every rank of every multi-process test);
 - hides the third-party notices that a CPU run always triggers and that ask nothing of the user (Transformer
   Engine / Apex / CUDA missing, megatron-core's and torch's notices about how megatron calls them): a CPU demo
-  printed ~230 such lines, every rank its own copy. :func:`hide_cpu_notices` replaces them with one line on rank 0;
-  entry points call it before they import megatron-core, whose import already warns.
+  printed ~70 such lines, every rank its own copy. :func:`hide_cpu_notices` hides them (entry points call it before
+  they import megatron-core, whose import already warns) and :func:`enable_cpu_compat` says so in one line, on
+  rank 0.
 
 It is switched on by :func:`enable_cpu_compat` when CUDA is absent (or when forced by a test), is
 idempotent, and never runs on a GPU machine. The substitutes for the GPU-only Gated DeltaNet kernels
@@ -168,6 +169,7 @@ CPU_LOG_NOTICES = {
     "torch.utils.cpp_extension": "No CUDA runtime is found",
     "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",  # megatron-core's move to HybridModel
     "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
 }
 CPU_NOTICE = ("cpu: megatron-core on gloo, without the GPU-only packages (Transformer Engine, Apex, Triton "
               "kernels: PyTorch references instead); their notices are hidden")
@@ -175,8 +177,8 @@ _notices_hidden = False
 
 
 def hide_cpu_notices() -> bool:
-    """On a machine without CUDA, hide ``CPU_NOTICES`` / ``CPU_LOG_NOTICES`` for the rest of the process and print
-    ``CPU_NOTICE`` once, on rank 0; returns whether it did (never on a GPU machine). Idempotent."""
+    """On a machine without CUDA, hide ``CPU_NOTICES`` / ``CPU_LOG_NOTICES`` for the rest of the process; returns
+    whether it did (never on a GPU machine). Idempotent."""
     global _notices_hidden
     if cuda_is_usable():
         return False
@@ -186,8 +188,6 @@ def hide_cpu_notices() -> bool:
         warnings.filterwarnings("ignore", message=re.escape(prefix))
     for name, prefix in CPU_LOG_NOTICES.items():
         logging.getLogger(name).addFilter(lambda record, prefix=prefix: not record.getMessage().startswith(prefix))
-    if os.environ.get("RANK", "0") == "0":
-        print(CPU_NOTICE, file=sys.stderr)
     _notices_hidden = True
     return True
 
@@ -216,6 +216,8 @@ def enable_cpu_compat(force: bool = False) -> bool:
         install_fla_fallback()
         _CudaToCpuMode().__enter__()  # process-wide: stays pushed for the life of the process
         _enabled = True
+        if os.environ.get("RANK", "0") == "0":
+            print(CPU_NOTICE, file=sys.stderr)
         return True
 
 
