@@ -63,8 +63,8 @@ def test_rl_options_out_of_range_are_refused(cls, changes, reason):
 
 def _manifest(path, sha="a" * 64):
     path.mkdir(exist_ok=True)
-    (path / "manifest.json").write_text(json.dumps({"seq_length": 256, "tokenizer": {"vocab_size": 500,
-                                                                                     "sha256": sha}}))
+    tokenizer = {"vocab_size": 500, "sha256": sha, "path": str(path / "tokenizer")}
+    (path / "manifest.json").write_text(json.dumps({"seq_length": 256, "tokenizer": tokenizer}))
     return path
 
 
@@ -147,3 +147,14 @@ def test_checkpoint_size_estimate_counts_the_parameters_of_the_hf_model():
     fp32 = TrainConfig(model_overrides={"vocab_size": 512})
     assert fp32.checkpoint_bytes() == parameter_count(preset) * (4 + 4 + 4)  # weights, Adam's two moments
     assert fp32.replace(bf16=True).checkpoint_bytes() == parameter_count(preset) * (2 + 4 + 4 + 4)
+
+
+def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    data = _manifest(tmp_path / "data")
+    (tmp_path / "file").write_text("")
+    args = ["--data-path", str(data), "--model-overrides", '{"vocab_size": 512}', "--log-dir", str(tmp_path / "log")]
+    assert main([*args, "--save", str(tmp_path / "file" / "ckpt"), "--dry-run"]) == 0  # a dry run writes nothing
+    capsys.readouterr()
+    assert main([*args, "--save", str(tmp_path / "file" / "ckpt")]) == 2  # before the process group and the model
+    assert capsys.readouterr().err == f"error: save: {tmp_path / 'file'} is not a directory\n"
