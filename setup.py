@@ -7,11 +7,11 @@ setup(
     python_requires=">=3.12",
     # `kernels/` lives at the top of the repo but is imported as megatron_mimesis.kernels, because a
     # top-level package named `kernels` clashes with an existing PyPI package.
-    # data_prep is installed too: the evaluation reads held-out conversations through its one rendering.
+    # `tools/` is imported as megatron_mimesis.tools for the same reason (a top-level `tools` is anyone's name).
     packages=find_packages(include=["megatron_mimesis", "megatron_mimesis.*", "data_prep"])
-    + ["megatron_mimesis.kernels"]
+    + ["megatron_mimesis.kernels", "megatron_mimesis.tools"]
     + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
-    package_dir={"megatron_mimesis.kernels": "kernels"},
+    package_dir={"megatron_mimesis.kernels": "kernels", "megatron_mimesis.tools": "tools"},
     package_data={"megatron_mimesis.rl": ["templates/*.txt"],
                   "megatron_mimesis.eval": ["templates/*.txt", "data/*.yaml"]},
     install_requires=[
@@ -32,6 +32,20 @@ setup(
         "matplotlib",
         "openai",  # the RL judge and counterpart endpoints
     ],
+    # the CLIs, usable from any directory once installed (`python -m data_prep.midtrain` and
+    # `python tools/X.py` keep working from the repository)
+    entry_points={
+        "console_scripts": [
+            "mimesis-prep-midtrain = data_prep.midtrain:main",
+            "mimesis-prep-sft = data_prep.sft:main",
+            "mimesis-prep-bench = data_prep.bench:main",
+            "mimesis-convert-checkpoint = megatron_mimesis.tools.convert_checkpoint:main",
+            "mimesis-inspect-checkpoint = megatron_mimesis.tools.inspect_checkpoint:main",
+            "mimesis-plot-run = megatron_mimesis.tools.plot_run:main",
+            "mimesis-eval-agent = megatron_mimesis.tools.eval_agent:main",
+            "mimesis-bench-convert = megatron_mimesis.tools.bench_convert:main",
+        ]
+    },
     extras_require={
         "dev": ["pytest>=8", "ruff", "liger-kernel", "chitchat-dataset"],
         # apex is not on PyPI under that name: build it from NVIDIA's sources when wanted.

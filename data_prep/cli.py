@@ -7,8 +7,16 @@ summary; any failure exits non-zero with a one-line reason. ``--config FILE.yaml
 
 import argparse
 import sys
+import warnings
 
-from data_prep.pipeline import DEFAULT_OUTPUT, SFT_DEMO_CONVERSATIONS, BuildResult, PrepConfig, PrepError, build
+from data_prep.pipeline import (
+    DEFAULT_OUTPUT,
+    SFT_DEMO_CONVERSATIONS,
+    BuildResult,
+    PrepConfig,
+    PrepError,
+    build,
+)
 from data_prep.records import FORMATS
 from data_prep.render import USER_SPEAKERS
 
@@ -124,9 +132,12 @@ def _reasons(counts: dict[str, int]) -> str:
 
 def main(task: str, argv: list[str] | None = None) -> int:
     try:
-        result = build(parse_args(task, argv))
+        with warnings.catch_warnings(record=True) as caught:  # shown as one line each, after the summary
+            result = build(parse_args(task, argv))
     except (PrepError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print_summary(result)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
     return 0

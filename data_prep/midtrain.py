@@ -9,8 +9,7 @@ that build while its inputs and options are unchanged. From Python::
 
 import sys
 
-from data_prep import pipeline
-from data_prep.cli import main
+from data_prep import cli, pipeline
 
 
 def build(**options) -> pipeline.BuildResult:
@@ -18,5 +17,10 @@ def build(**options) -> pipeline.BuildResult:
     return pipeline.build(pipeline.PrepConfig(task="midtrain", **options))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The CLI (``python -m data_prep.midtrain``, or the ``mimesis-prep-midtrain`` console script)."""
+    return cli.main("midtrain", argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main("midtrain"))
+    sys.exit(main())

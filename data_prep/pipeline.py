@@ -50,6 +50,10 @@ class PrepError(RuntimeError):
     """A build that cannot proceed; the message is the one line the CLI prints."""
 
 
+class SmallVocabWarning(UserWarning):
+    """The tokenizer trained on the corpus has fewer tokens than ``--vocab-size`` asked for."""
+
+
 @dataclass
 class PrepConfig:
     """Options of one build; ``inputs`` empty means the embedded chit-chat corpus."""
@@ -144,13 +148,17 @@ def build(config: PrepConfig) -> BuildResult:
     with open(output / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         manifest_path = output / "manifest.json"
-        if manifest_path.is_file():
-            manifest = json.loads(manifest_path.read_text())
-            if manifest.get("fingerprint") == fingerprint:
-                return BuildResult(output, manifest, reused=True)
-            manifest_path.unlink()
-        manifest = _build_unlocked(config, sources, source_fingerprints, fingerprint, output)
-        return BuildResult(output, manifest, reused=False)
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+        reused = manifest is not None and manifest.get("fingerprint") == fingerprint
+        if not reused:
+            manifest_path.unlink(missing_ok=True)
+            manifest = _build_unlocked(config, sources, source_fingerprints, fingerprint, output)
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if config.tokenizer is None and vocab < config.vocab_size:
+        warnings.warn(f"the tokenizer trained on the corpus has {vocab} tokens, fewer than the {config.vocab_size} "
+                      f"of --vocab-size: the corpus has no more distinct merges to learn", SmallVocabWarning,
+                      stacklevel=2)
+    return BuildResult(output, manifest, reused=reused)
 
 
 def _build_unlocked(
@@ -187,6 +195,10 @@ def _build_unlocked(
     for index, source in enumerate(sources):
         counts = _run_shards(source, work / source.name, settings, config)
         corpus_manifest = _merge(counts, work / source.name, output / source.name, settings, pad_id)
+        if corpus_manifest["samples_out"]["train"] == 0:
+            raise PrepError(f"{source.name}: no training samples from {corpus_manifest['documents_in']:,} records "
+                            f"(skipped: {_counts(corpus_manifest['skipped'])}; dropped: "
+                            f"{_counts(corpus_manifest['dropped'])})")
         corpus_manifest.update(
             corpus=source.name,
             task=config.task,
@@ -367,6 +379,9 @@ def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSet
     Samples are packed within groups of ``SHARDS_PER_PACKING_GROUP`` shards, so that memory and open memory maps
     stay bounded however large the corpus; each group leaves at most a few partly filled rows.
     """
+    from megatron_mimesis.compat import hide_cpu_notices
+
+    hide_cpu_notices()  # torch's import-time log line about CUDA, on a CPU machine
     with warnings.catch_warnings():  # megatron.core's import warns about missing GPU-only packages
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -408,6 +423,10 @@ def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSet
     for suffix in (".bin", ".idx", f"{LOSS_MASK_SUFFIX}.bin", f"{LOSS_MASK_SUFFIX}.idx"):
         os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
     return counts
+
+
+def _counts(reasons: dict[str, int]) -> str:
+    return ", ".join(f"{n:,} {reason}" for reason, n in sorted(reasons.items()) if n) or "none"
 
 
 def _mixture(corpora: dict[str, dict]) -> dict:

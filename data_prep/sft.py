@@ -12,8 +12,7 @@ thinking (marked so in the manifest) into ``.cache/data/chitchat-sft``. From Pyt
 
 import sys
 
-from data_prep import pipeline
-from data_prep.cli import main
+from data_prep import cli, pipeline
 
 
 def build(**options) -> pipeline.BuildResult:
@@ -21,5 +20,10 @@ def build(**options) -> pipeline.BuildResult:
     return pipeline.build(pipeline.PrepConfig(task="sft", **options))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The CLI (``python -m data_prep.sft``, or the ``mimesis-prep-sft`` console script)."""
+    return cli.main("sft", argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main("sft"))
+    sys.exit(main())

@@ -11,8 +11,9 @@
 # demo data), DEMO_NEEDS (array of paths the demo needs, with DEMO_NEEDS_HINT saying how to make them), and
 # optionally TRAIN_MODULE (the entry module; default the trainer) and DEMO_PLOT_ARGS (array for tools/plot_run.py);
 # the RL stages take their demo settings from rl_demo_defaults (called after sourcing this file).
-# Environment overrides: CONFIG, PYTHON, NPROC, NNODES, NODE_RANK, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT,
-# DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
+# Environment overrides: CONFIG, PYTHON, NPROC (processes per node; GPUS_PER_NODE, its SLURM name, works too), NNODES,
+# NODE_RANK, MASTER_ADDR, MASTER_PORT, DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, and any NCCL_* / CUDA_* /
+# OMP_NUM_THREADS.
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TRAIN_MODULE="${TRAIN_MODULE:-megatron_mimesis.training.train}"
@@ -94,6 +95,13 @@ quote_cmd() {
     if [[ "$word" =~ ^[][A-Za-z0-9_./:=,@+%^-]+$ ]]; then out+=("$word"); else out+=("$(printf '%q' "$word")"); fi
   done
   echo "${out[*]}"
+}
+
+# The trainer's own validation, once, before torchrun starts any rank: a bad option is one line and the exit
+# status 2, not the same line from every rank followed by torchrun's ChildFailedError report.
+check_config() {
+  WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
+    "${train_args[@]}" --dry-run >/dev/null || exit $?
 }
 
 print_dry_run() {
@@ -215,7 +223,7 @@ launch() {
     srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=1
       bash -c "$node_cmd")
   else
-    local nproc="${NPROC:-$((gpus > 0 ? gpus : 2))}"
+    local nproc="${NPROC:-${GPUS_PER_NODE:-$((gpus > 0 ? gpus : 2))}}"
     export NNODES="${NNODES:-1}"
     gpus_per_node="$nproc"
     if ((gpus > 0)); then set_gpu_env; else set_cpu_env; fi
@@ -239,6 +247,7 @@ launch() {
     return
   fi
   if ((demo)); then run_demo_data; fi
+  check_config
   "${torchrun_cmd[@]}"
   if ((demo)); then report_demo; fi
 }

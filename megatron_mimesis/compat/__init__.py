@@ -4,6 +4,12 @@ Everything that knows about this lives in this package; the rest of the project 
 :func:`enable_cpu_compat` once at start-up and is otherwise device-agnostic.
 """
 
-from megatron_mimesis.compat.cpu import compute_device, cpu_compat_enabled, cuda_is_usable, enable_cpu_compat
+from megatron_mimesis.compat.cpu import (
+    compute_device,
+    cpu_compat_enabled,
+    cuda_is_usable,
+    enable_cpu_compat,
+    hide_cpu_notices,
+)
 
-__all__ = ["compute_device", "cpu_compat_enabled", "cuda_is_usable", "enable_cpu_compat"]
+__all__ = ["compute_device", "cpu_compat_enabled", "cuda_is_usable", "enable_cpu_compat", "hide_cpu_notices"]

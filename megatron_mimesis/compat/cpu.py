@@ -15,7 +15,12 @@ needed for correctness on CPU. Rather than forking megatron-core, this module:
 - turns streams, events and synchronisation into no-ops;
 - reports CPU float tensors under their CUDA type names to megatron's string checks;
 - turns off TorchDynamo: megatron wraps small fusions in ``torch.compile``, which on CPU buys nothing and
-  costs 10-20 s of compilation in every new process (every rank of every multi-process test).
+  costs 10-20 s of compilation in every new process (every rank of every multi-process test);
+- hides the third-party notices that a CPU run always triggers and that ask nothing of the user (Transformer
+  Engine / Apex / CUDA missing, megatron-core's and torch's notices about how megatron calls them): a CPU demo
+  printed ~70 such lines, every rank its own copy. :func:`hide_cpu_notices` hides them (entry points call it before
+  they import megatron-core, whose import already warns) and :func:`enable_cpu_compat` says so in one line, on
+  rank 0.
 
 It is switched on by :func:`enable_cpu_compat` when CUDA is absent (or when forced by a test), is
 idempotent, and never runs on a GPU machine. The substitutes for the GPU-only Gated DeltaNet kernels
@@ -24,7 +29,11 @@ live beside it in :mod:`megatron_mimesis.compat.fla_fallback`.
 
 import contextlib
 import logging
+import os
+import re
+import sys
 import threading
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -147,6 +156,45 @@ def _patch_megatron_rng():
     )
 
 
+# Python warnings (message prefixes) that every CPU run triggers and that concern neither the user nor the result
+CPU_NOTICES = (
+    "Transformer Engine and Apex are not installed",  # megatron-core, at import: torch optimizers used instead
+    "Apex is not installed",  # megatron-core's layer specs: torch norms used instead
+    "megatron_mimesis.kernels: Triton or CUDA unavailable",  # the fused losses run their PyTorch references
+    "MimoModelConfig is experimental",  # megatron-core, at import, of a model we do not use
+    "full scope is deprecated",  # megatron-core's CUDA-graph default (no CUDA graphs here)
+    "The .grad attribute of a Tensor that is not a leaf Tensor",  # megatron-core's DDP inspecting its buffers
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",  # megatron-core's collectives
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+)
+# logger name -> message prefix of the logged notices of the same kind
+CPU_LOG_NOTICES = {
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",  # megatron-core's move to HybridModel
+    "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+}
+CPU_NOTICE = ("cpu: megatron-core on gloo, without the GPU-only packages (Transformer Engine, Apex, Triton "
+              "kernels: PyTorch references instead); their notices are hidden")
+_notices_hidden = False
+
+
+def hide_cpu_notices() -> bool:
+    """On a machine without CUDA, hide ``CPU_NOTICES`` / ``CPU_LOG_NOTICES`` for the rest of the process; returns
+    whether it did (never on a GPU machine). Idempotent."""
+    global _notices_hidden
+    if cuda_is_usable():
+        return False
+    if _notices_hidden:
+        return True
+    for prefix in CPU_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(prefix))
+    for name, prefix in CPU_LOG_NOTICES.items():
+        logging.getLogger(name).addFilter(lambda record, prefix=prefix: not record.getMessage().startswith(prefix))
+    _notices_hidden = True
+    return True
+
+
 def cuda_is_usable() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
@@ -162,6 +210,7 @@ def enable_cpu_compat(force: bool = False) -> bool:
             return True
         if cuda_is_usable() and not force:
             return False
+        hide_cpu_notices()
         _patch_torch_cuda()
         _patch_megatron_rng()
         torch._dynamo.config.disable = True
@@ -170,6 +219,8 @@ def enable_cpu_compat(force: bool = False) -> bool:
         install_fla_fallback()
         _CudaToCpuMode().__enter__()  # process-wide: stays pushed for the life of the process
         _enabled = True
+        if os.environ.get("RANK", "0") == "0":
+            print(CPU_NOTICE, file=sys.stderr)
         return True
 
 

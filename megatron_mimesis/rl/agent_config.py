@@ -4,10 +4,11 @@ environment, the user model, returns and the coach. Defaults are the paper's sta
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from megatron_mimesis.rl.config import RLConfig
 from megatron_mimesis.rl.envs import ENVS
-from megatron_mimesis.training.config import ConfigError
+from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, ConfigError, Range
 
 # "scripted": the toy env's scripted user; "local": a frozen megatron copy of the simulator in the training
 # processes (it must share the agent's architecture and tokenizer; otherwise serve it and use "openai")
@@ -43,6 +44,12 @@ class AgentRLConfig(RLConfig):
     placebo_note: str = "Keep helping the user."
     csd_log_samples: int = 4  # coach notes (with thoughts and teacher context) written to csd_samples.jsonl per step
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        **RLConfig.RANGES, "tasks_per_step": AT_LEAST_1, "max_agent_turns": AT_LEAST_1, "gamma": Range(0, 1),
+        "coach_max_new_tokens": AT_LEAST_1, "csd_alpha": NON_NEGATIVE, "csd_beta": NON_NEGATIVE,
+        "csd_log_samples": NON_NEGATIVE,
+    }
+
     @property
     def rollouts_per_step(self) -> int:
         return self.tasks_per_step * self.rollouts_per_prompt
@@ -75,10 +82,6 @@ class AgentRLConfig(RLConfig):
             raise ConfigError("coach=scripted needs coach_options {\"note\": \"...\"}")
         if self.coach == "none" and self.csd_alpha:
             raise ConfigError("coach=none trains plain GRPO: set csd_alpha to 0")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ConfigError(f"gamma must be in [0, 1], got {self.gamma}")
-        if self.max_agent_turns < 1:
-            raise ConfigError("max_agent_turns must be at least 1")
         dp = self.data_parallel_size(world_size)
         if self.tasks_per_step % dp:
             raise ConfigError(f"tasks_per_step {self.tasks_per_step} is not divisible by data-parallel size {dp}")

@@ -8,8 +8,9 @@ Validated up front like the trainer's, with one-line reasons.
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from megatron_mimesis.training.config import ConfigError, TrainConfig
+from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
 COUNTERPARTS = ("openai", "scripted")
 ENGINES = ("local", "vllm")
@@ -43,6 +44,21 @@ class RLConfig(TrainConfig):
     kl_coef: float = 0.0
     kl_reference: str | None = None
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        **TrainConfig.RANGES,
+        "generation_timeout_s": POSITIVE,
+        "rollouts_per_prompt": Range(2),  # group statistics need two rollouts
+        "max_new_tokens": AT_LEAST_1,
+        "temperature": NON_NEGATIVE,  # 0: greedy
+        "top_p": Range(0, 1, low_open=True),
+        "clip_eps_low": Range(0, 1, high_open=True),  # the ratio's lower clip 1 - eps_low stays positive
+        "clip_eps_high": NON_NEGATIVE,
+        "dual_clip_c": Range(1, low_open=True),
+        "max_tokens_per_microbatch": AT_LEAST_1,
+        "min_valid_rollouts": Range(2),
+        "kl_coef": NON_NEGATIVE,
+    }
+
     def validate_rl(self, world_size: int) -> None:
         self.validate_model_and_optimizer(world_size)
         if not self.tokenizer or not (Path(self.tokenizer) / "tokenizer.json").exists():
@@ -53,14 +69,6 @@ class RLConfig(TrainConfig):
             from megatron_mimesis.rl.vllm_engine import check_vllm_config
 
             check_vllm_config(self)
-        if self.rollouts_per_prompt < 2:
-            raise ConfigError("rollouts_per_prompt must be at least 2 (group statistics need two rollouts)")
-        if self.min_valid_rollouts < 2:
-            raise ConfigError("min_valid_rollouts must be at least 2")
-        if self.generation_timeout_s is not None and self.generation_timeout_s <= 0:
-            raise ConfigError("generation_timeout_s must be positive")
-        if self.kl_coef < 0:
-            raise ConfigError(f"kl_coef must be non-negative, got {self.kl_coef}")
         if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
             raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
                               f"{self.kl_reference!r}")
@@ -83,6 +91,8 @@ class SimulatorRLConfig(RLConfig):
     counterpart: str = "openai"
     # OpenAICounterpart's keyword arguments, or for "scripted" {"reply": text}: a fixed answer (toy domains, tests)
     counterpart_options: dict = field(default_factory=dict)
+
+    RANGES: ClassVar[dict[str, Range]] = {**RLConfig.RANGES, "prompts_per_step": AT_LEAST_1, "max_turns": AT_LEAST_1}
 
     @property
     def rollouts_per_step(self) -> int:

@@ -194,9 +194,11 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     import sys
     from pathlib import Path
 
+    from megatron_mimesis.compat import hide_cpu_notices
     from megatron_mimesis.training.config import parse_config
     from megatron_mimesis.training.train import run_to_completion
 
+    hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
     config, args = parse_config(argv, config_cls, prog=prog, description=description)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

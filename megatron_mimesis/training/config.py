@@ -1,27 +1,67 @@
 """Training configuration: one dataclass, loadable from YAML, overridable with Megatron-style flags.
 
 The paper's hyperparameters live in the stage YAML files under ``launch/configs/``; the defaults here are
-those of the embedded CPU demo. ``validate`` runs before any process group starts and raises
-:class:`ConfigError` with a one-line reason.
+those of the embedded CPU demo. ``validate`` runs before any process group starts (and on ``--dry-run``) and raises
+:class:`ConfigError` with a one-line reason: every numeric option is range-checked against ``RANGES``, so a
+negative ``lr`` or a zero ``log_interval`` never reaches megatron (where it would be an ``AssertionError`` or a
+``ZeroDivisionError`` minutes later, after the model is built).
 """
 
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
-from megatron_mimesis.compat.fla_guard import refuse_known_miscompiles
-from megatron_mimesis.models.config import ParallelConfig, validate_layout
 from megatron_mimesis.models.presets import PRESETS, Qwen35Preset, get_preset
+
+if typing.TYPE_CHECKING:
+    from megatron_mimesis.models.config import ParallelConfig
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message is the one-line reason."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option may take: ``low`` <= value (< when ``low_open``), likewise ``high``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+AT_LEAST_1 = Range(1)
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)
+FRACTION = Range(0, 1, high_open=True)  # Adam betas: 1 would never forget
+
+# A resumed run continues the schedule its checkpoint was saved in. These options define that schedule: the LR
+# curve (megatron's scheduler state is restored from the checkpoint) and the data order (the blended dataset's
+# shuffle is built for train_iters x global_batch_size samples from seed). Changing one on resume would silently
+# keep the old LR curve and read the samples in another order, so it is refused; a new schedule from the same
+# weights is a new stage: --load DIR --finetune.
+RESUME_FIXED = ("train_iters", "global_batch_size", "seq_length", "seed", "lr", "min_lr", "lr_warmup_iters",
+                "lr_decay_iters", "lr_decay_style")
 
 
 @dataclass
@@ -75,13 +115,30 @@ class TrainConfig:
     log_interval: int = 1
     wandb_project: str | None = None
     progress: bool = True
+    overwrite_save: bool = field(default=False, metadata={"help": (
+        "let a fresh run (no --load) write into a save directory that already holds checkpoints: its checkpoints "
+        "replace those of the same iteration and `latest` moves to its own. Off by default, so that a forgotten "
+        "--load does not overwrite a run's progress")})
     # faults
-    max_skipped_iters: int = 10  # non-finite loss: skip the step, stop after this many
+    max_skipped_iters: int = 10  # non-finite loss: skip the step; the run stops at the max_skipped_iters-th skip
     seed: int = 1234
     exit_signal_handler: bool = True  # SIGTERM / SIGUSR1: save a checkpoint, then exit for requeue
     exit_interval: int | None = None  # save and exit after an iteration divisible by this (scheduled stops)
     # size overrides of the preset (the demo sets vocab_size from its tokenizer)
     model_overrides: dict = field(default_factory=dict)
+
+    # every numeric option and its allowed values (tests/training/test_validation.py checks none is missing)
+    RANGES: ClassVar[dict[str, Range]] = {
+        "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
+        "virtual_pipeline_model_parallel_size": AT_LEAST_1, "context_parallel_size": AT_LEAST_1,
+        "seq_length": AT_LEAST_1, "micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1,
+        "train_iters": AT_LEAST_1, "lr": POSITIVE, "min_lr": NON_NEGATIVE, "lr_warmup_iters": NON_NEGATIVE,
+        "lr_decay_iters": AT_LEAST_1, "weight_decay": NON_NEGATIVE, "adam_beta1": FRACTION, "adam_beta2": FRACTION,
+        "adam_eps": POSITIVE, "clip_grad": NON_NEGATIVE, "recompute_num_layers": AT_LEAST_1,
+        "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
+        "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
+        "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1,
+    }
 
     # ------------------------------------------------------------------
     @property
@@ -89,7 +146,10 @@ class TrainConfig:
         return get_preset(self.model).replace(**self.model_overrides)
 
     @property
-    def parallel(self) -> ParallelConfig:
+    def parallel(self) -> "ParallelConfig":
+        # megatron-core is imported only once a config is used: the entry points hide its CPU notices first
+        from megatron_mimesis.models.config import ParallelConfig
+
         return ParallelConfig(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
@@ -115,10 +175,30 @@ class TrainConfig:
         if not Path(self.data_path).exists():
             raise ConfigError(f"data_path: {self.data_path} does not exist")
 
+    def check_ranges(self) -> None:
+        """Each numeric option is a number of its field's type, inside its ``RANGES`` entry (None where allowed)."""
+        hints = typing.get_type_hints(type(self))
+        for name, allowed in self.RANGES.items():
+            value = getattr(self, name)
+            if value is None and type(None) in typing.get_args(hints[name]):
+                continue
+            kind = _flag_type(hints[name])
+            if isinstance(value, bool) or not isinstance(value, int if kind is int else int | float):
+                expected = "an integer" if kind is int else "a number"
+                raise ConfigError(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+            if value not in allowed:
+                raise ConfigError(f"{name} must be {allowed}, got {value:g}")
+
     def validate_model_and_optimizer(self, world_size: int) -> None:
         """The checks every stage shares (the RL stages add their own on top)."""
+        self.check_ranges()
+        if self.min_lr > self.lr:
+            raise ConfigError(f"min_lr {self.min_lr:g} is above lr {self.lr:g} (the schedule decays from lr to min_lr)")
         if self.model not in PRESETS:
             raise ConfigError(f"model: unknown preset {self.model!r}; choose one of {sorted(PRESETS)}")
+        from megatron_mimesis.compat.fla_guard import refuse_known_miscompiles
+        from megatron_mimesis.models.config import validate_layout
+
         try:
             preset = self.preset
             validate_layout(preset, self.parallel)
@@ -160,16 +240,62 @@ class TrainConfig:
         if self.pretrained_hf is not None and not Path(self.pretrained_hf).exists():
             raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
         if self.load:
-            from megatron_mimesis.models.dist_ckpt_reader import CheckpointError, newest_complete
-
-            try:
-                newest_complete(self.load)
-            except CheckpointError as exc:
-                raise ConfigError(f"load: {exc}") from None
+            self._check_resume()
+        elif self.save and (Path(self.save) / "latest").exists() and not self.overwrite_save:
+            raise ConfigError(
+                f"save: {self.save} already holds checkpoints (latest: iteration "
+                f"{(Path(self.save) / 'latest').read_text().strip()}); resume with --load {self.save}, save elsewhere, "
+                f"or pass --overwrite-save to start over in it"
+            )
         if self.finetune and not self.load:
             raise ConfigError("finetune needs load (the checkpoint whose weights to start from)")
         if self.pretrained_hf and self.load:
             raise ConfigError("give either pretrained_hf (start from HF weights) or load (resume), not both")
+
+    def _check_resume(self) -> None:
+        """``load`` points at a checkpoint; a full resume must keep the schedule it was saved in (``RESUME_FIXED``)."""
+        from megatron_mimesis.models.dist_ckpt_reader import RUN_CONFIG, CheckpointError, newest_complete
+
+        try:
+            path, _ = newest_complete(self.load)
+        except CheckpointError as exc:
+            raise ConfigError(f"load: {exc}") from None
+        if self.finetune or not (path / RUN_CONFIG).is_file():
+            return  # weights only; or not this project's checkpoint, which loading reports
+        saved = json.loads((path / RUN_CONFIG).read_text()).get("train", {})
+        changed = [f"{name} {saved[name]!r} -> {getattr(self, name)!r}" for name in RESUME_FIXED
+                   if name in saved and saved[name] != getattr(self, name)]
+        if changed:
+            raise ConfigError(
+                f"load: {path} was saved by a run with other schedule options ({'; '.join(changed)}): a resume "
+                f"keeps the checkpoint's LR schedule and data order, so resume with its values, or start a new "
+                f"schedule from its weights with --finetune"
+            )
+
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint of this run takes on disk: the weights, plus the optimizer's fp32 state
+        (Adam's two moments, and fp32 main params when the weights are bf16)."""
+        from megatron_mimesis.training.flops import parameter_count
+
+        per_param = 2 + 4 + 8 if self.bf16 else 4 + 8
+        return parameter_count(self.preset) * per_param
+
+    def check_save_dir(self) -> None:
+        """At the start of a run, not at its first save: ``save`` must be a writable directory (or creatable in
+        one) with room for a checkpoint, so the hours before the first save are not lost to a typo or a full disk.
+        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoint."""
+        if not self.save:
+            return
+        path = Path(self.save).absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"save: {existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"save: {existing} is not writable")
+        free, needed = shutil.disk_usage(existing).free, self.checkpoint_bytes()
+        if free < needed:
+            raise ConfigError(f"save: no space left for a checkpoint in {existing}: {free / 2**30:.1f} GiB free, "
+                              f"a checkpoint of this model takes about {needed / 2**30:.1f} GiB")
 
     # ------------------------------------------------------------------
     @classmethod
@@ -209,12 +335,14 @@ def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mim
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
+        help_text = f.metadata.get("help")
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif kind in (dict, list):
-            parser.add_argument(flag, dest=f.name, type=json.loads, default=None, help=f"JSON {kind.__name__}")
+            parser.add_argument(flag, dest=f.name, type=json.loads, default=None,
+                                help=help_text or f"JSON {kind.__name__}")
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=None)
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
     return parser
 
 

@@ -86,19 +86,30 @@ def deltanet_recurrence_flops(p: Qwen35Preset, chunk_size: int = DELTANET_CHUNK_
     return p.linear_num_value_heads * per_head
 
 
+def _matmul_params(preset: Qwen35Preset) -> int:
+    """Parameters that multiply every token: the layers' projections and the output layer."""
+    layer_types = preset.layer_types()
+    n_attention = layer_types.count("full_attention")
+    return (
+        n_attention * _attention_matmul_params(preset)
+        + (len(layer_types) - n_attention) * _deltanet_matmul_params(preset)
+        + preset.num_layers * _mlp_params(preset)
+        + preset.hidden_size * preset.vocab_size
+    )
+
+
+def parameter_count(preset: Qwen35Preset) -> int:
+    """Trained parameters, up to norms and biases (<0.1%): the matmul weights plus an untied input embedding."""
+    return _matmul_params(preset) + (0 if preset.tie_word_embeddings else preset.hidden_size * preset.vocab_size)
+
+
 def model_flops_per_token(preset: Qwen35Preset, seq_length: int) -> float:
     """Forward FLOPs per token at a packed row length of ``seq_length``."""
     layer_types = preset.layer_types()
     n_attention = layer_types.count("full_attention")
     n_deltanet = len(layer_types) - n_attention
-    matmul_params = (
-        n_attention * _attention_matmul_params(preset)
-        + n_deltanet * _deltanet_matmul_params(preset)
-        + preset.num_layers * _mlp_params(preset)
-        + preset.hidden_size * preset.vocab_size
-    )
     return (
-        2.0 * matmul_params
+        2.0 * _matmul_params(preset)
         + n_attention * causal_attention_flops(preset, seq_length)
         + n_deltanet * deltanet_recurrence_flops(preset)
     )

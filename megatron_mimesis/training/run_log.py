@@ -1,8 +1,14 @@
 """Per-step records of a run: one JSON line each (``metrics.jsonl``), TensorBoard scalars, optional wandb,
-and a progress bar. Only the rank that calls it with ``enabled=True`` (rank 0) writes anything."""
+and a progress bar. Only the rank that calls it with ``enabled=True`` (rank 0) writes anything.
+
+A run that starts at iteration N (a resume from the checkpoint of step N, or N = 0: a fresh start) owns the log from
+step N + 1 on: records of later steps left by an earlier attempt (it crashed after its last checkpoint) are removed
+from ``metrics.jsonl`` and purged from TensorBoard, so every step appears once, as the run that continued logged it.
+"""
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,10 +25,12 @@ class RunLog:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (self.dir / "metrics.jsonl").open("a", buffering=1)
+        metrics = self.dir / "metrics.jsonl"
+        _truncate_after(metrics, start_iter)
+        self._jsonl = metrics.open("a", buffering=1)
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_iter + 1)
         if wandb_project:
             try:
                 import wandb
@@ -60,6 +68,22 @@ class RunLog:
                 closer.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _truncate_after(path: Path, iteration: int) -> None:
+    """Keep the records of steps up to ``iteration`` (atomically: a crash here leaves the old file)."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # the half-written record of a crash
+    kept = "".join(line for line in lines if json.loads(line)["iteration"] <= iteration)
+    if kept == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(kept)
+    os.replace(tmp, path)
 
 
 def _short(value) -> str:

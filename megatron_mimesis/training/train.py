@@ -21,13 +21,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_mimesis.compat import hide_cpu_notices
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
-from megatron_mimesis.training.data import check_worker_shared_memory, dataset_manifest
+
+TOKENIZER_SHA256 = "tokenizer_sha256"  # run_config.json: the data manifest's hash of the tokenizer trained with
 
 
 def check_data(config: TrainConfig) -> dict:
-    """Refuse a dataset whose rows or tokenizer do not fit the model, before any process group starts."""
+    """Refuse a dataset whose rows or tokenizer do not fit the model, before any process group starts; with
+    ``load``, also one prepared with another tokenizer than the checkpoint's (token ids would mean other text,
+    and the checkpoint saved next would carry the dataset's tokenizer as its own)."""
+    from megatron_mimesis.training.data import check_worker_shared_memory, dataset_manifest
+
     check_worker_shared_memory(config.num_workers)
+
     try:
         manifest = dataset_manifest(config.data_path)
     except FileNotFoundError as exc:
@@ -41,7 +48,29 @@ def check_data(config: TrainConfig) -> dict:
         raise ConfigError(
             f"{config.data_path}: tokenizer vocab {vocab} does not fit the model vocab {config.preset.vocab_size}"
         )
+    if config.load:
+        check_tokenizer_matches_checkpoint(config.load, config.data_path, manifest["tokenizer"])
     return manifest
+
+
+def check_tokenizer_matches_checkpoint(load: str, data_path: str, tokenizer: dict) -> None:
+    """The tokenizer sha256 the data manifest records against the one the checkpoint's run recorded."""
+    from megatron_mimesis.models.dist_ckpt_reader import RUN_CONFIG, CheckpointError, newest_complete
+
+    try:
+        path, _ = newest_complete(load)
+    except CheckpointError as exc:
+        raise ConfigError(f"load: {exc}") from None
+    run_config = json.loads((path / RUN_CONFIG).read_text()) if (path / RUN_CONFIG).is_file() else {}
+    saved = run_config.get(TOKENIZER_SHA256)
+    if saved is None:
+        print(f"warning: {path} records no tokenizer (imported, or saved before the record existed); "
+              f"{data_path} is trusted to use its tokenizer", file=sys.stderr)
+    elif saved != tokenizer.get("sha256"):
+        raise ConfigError(
+            f"{data_path}: prepared with another tokenizer (sha256 {str(tokenizer.get('sha256'))[:12]}) than the "
+            f"checkpoint {path} ({saved[:12]}); prepare the data with --tokenizer {path}/tokenizer"
+        )
 
 
 class Trainer:
@@ -58,6 +87,7 @@ class Trainer:
 
         self.config = config
         self.tokenizer_dir = tokenizer_dir
+        config.check_save_dir()  # before any work that a save directory without room would lose
         cpu = enable_cpu_compat()
         if not dist.is_initialized():
             dist.init_process_group("gloo" if cpu else "nccl")
@@ -237,7 +267,9 @@ class Trainer:
             return load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
         return fresh
 
-    def run(self) -> int:
+    def run(self, tokenizer_sha256: str) -> int:
+        """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
+        checkpoint, so a later --load can tell whether its data was tokenized alike)."""
         from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
         from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
@@ -247,7 +279,7 @@ class Trainer:
         progress = self.restore({"iteration": 0, "consumed_samples": 0, "skipped_iters": 0})
         self._data(progress["consumed_samples"])
         run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
-                      "padded_vocab_size": self.provider.padded_vocab_size}
+                      "padded_vocab_size": self.provider.padded_vocab_size, TOKENIZER_SHA256: tokenizer_sha256}
         log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.is_logger, progress=c.progress,
                      wandb_project=c.wandb_project, run_config=run_config)
         exit_signal = ExitSignal() if c.exit_signal_handler else None
@@ -255,8 +287,17 @@ class Trainer:
         # MFU only where a peak is known: on CPU it would be a made-up number
         peak = device_peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
         data_iterator = self.train_iterators
-        save = partial(self._save, save_checkpoint, run_config)
         status = 0
+        result = {"skipped": False}
+
+        def save():
+            """A checkpoint of the weights after this step, unless the step was skipped: while the loss is
+            non-finite the weights are suspect, and the last checkpoint must stay the one to resume from."""
+            if result["skipped"]:
+                log.message(f"iteration {progress['iteration']}: no checkpoint while steps are being skipped")
+                return
+            self._save(save_checkpoint, run_config, progress)
+
         while progress["iteration"] < c.train_iters:
             start = time.perf_counter()
             result = self.train_step(data_iterator)
@@ -279,16 +320,17 @@ class Trainer:
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })
-            if progress["skipped_iters"] > c.max_skipped_iters:
-                log.message("too many skipped iterations; stopping without saving (the last checkpoint is intact)")
+            if result["skipped"] and progress["skipped_iters"] >= c.max_skipped_iters:
+                log.message(f"{progress['skipped_iters']} skipped iterations (max_skipped_iters); stopping without "
+                            f"saving (the last checkpoint is intact)")
                 status = 1
                 break
             if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
                 log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
-            if save_and_maybe_stop(c, it, exit_signal, log, lambda: save(progress)):
+            if save_and_maybe_stop(c, it, exit_signal, log, save):
                 break
         else:
-            save_final(c, progress["iteration"], lambda: save(progress))
+            save_final(c, progress["iteration"], save)
         log.close()
         return status
 
@@ -326,6 +368,7 @@ def _max_memory_gb() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
     config, args = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -342,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(resolved, indent=2))
         return 0
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    return run_to_completion(lambda: Trainer(config, manifest["tokenizer"]["path"]).run())
+    tokenizer = manifest["tokenizer"]
+    return run_to_completion(lambda: Trainer(config, tokenizer["path"]).run(tokenizer["sha256"]))
 
 
 def run_to_completion(run) -> int:

@@ -111,7 +111,9 @@ def test_slurm_dry_run_has_paper_layout(fake):
 
 def test_local_dry_run_without_gpu_is_the_demo(fake):
     tmp_path, env = fake
-    result = run("midtrain.sh", ["--dry-run", "--train-iters", "20"], {**env, "DATA_PATH": str(tmp_path / "demo")})
+    # SAVE away from the repository's runs/: a demo run there would make this a resume (of another train_iters)
+    result = run("midtrain.sh", ["--dry-run", "--train-iters", "20"],
+                 {**env, "DATA_PATH": str(tmp_path / "demo"), "SAVE": str(tmp_path / "save")})
     assert result.returncode == 0, result.stderr
     command = result.stdout.splitlines()[1]
     assert command.startswith(f"{sys.executable} -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2")

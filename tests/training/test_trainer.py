@@ -147,11 +147,20 @@ def test_imported_checkpoint_trains_and_exports_to_transformers(tiny_dataset, ti
 
 
 def test_diverging_run_skips_non_finite_steps_then_stops(tiny_dataset, tmp_path):
-    args = common_args(tiny_dataset, tmp_path, "--train-iters", "40", "--max-skipped-iters", "2")
+    """It stops at skip 2 of --max-skipped-iters 2, and no checkpoint is written of a skipped step's weights."""
+    ckpt = tmp_path / "ckpt"
+    args = common_args(tiny_dataset, tmp_path, "--train-iters", "40", "--max-skipped-iters", "2", "--save", str(ckpt),
+                       "--save-interval", "1")
     args[args.index("--lr") + 1] = "1e4"  # diverges within a few steps
     args[args.index("--min-lr") + 1] = "1e4"
     proc = run_trainer(1, *args, "--clip-grad", "0", check=False)
     assert proc.returncode != 0
     records = read_metrics(tmp_path)
-    assert records[-1]["skipped_iters"] == 3 and records[-1]["iteration"] < 40
+    assert records[-1]["skipped_iters"] == 2 and records[-1]["iteration"] < 40
+    assert "2 skipped iterations (max_skipped_iters); stopping" in proc.stdout + proc.stderr
     assert any(r["loss"] is None for r in records)  # non-finite losses are logged as null, not dropped
+    skipped = {r["iteration"] for before, r in zip([{"skipped_iters": 0}, *records[:-1]], records, strict=True)
+               if r["skipped_iters"] > before["skipped_iters"]}
+    saved = {int(path.name.removeprefix("iter_")) for path in ckpt.glob("iter_*")}
+    assert len(skipped) == 2 and saved and not saved & skipped, (skipped, saved)
+    assert int((ckpt / "latest").read_text()) == max(saved) < max(skipped)

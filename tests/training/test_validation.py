@@ -1,0 +1,160 @@
+"""Inputs that are wrong are refused before any process group starts, each in one line naming the field; so are
+the runs that would silently do something else than asked (issue 15, items 6 and 7)."""
+
+import dataclasses
+import json
+import typing
+
+import pytest
+
+from megatron_mimesis.rl.agent_config import AgentRLConfig
+from megatron_mimesis.rl.config import SimulatorRLConfig
+from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
+from megatron_mimesis.training.flops import parameter_count
+from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main
+
+
+def _numeric_fields(cls) -> set[str]:
+    hints = typing.get_type_hints(cls)
+    return {f.name for f in dataclasses.fields(cls) if _flag_type(hints[f.name]) in (int, float)}
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, SimulatorRLConfig, AgentRLConfig])
+def test_every_numeric_option_has_a_range(cls):
+    assert _numeric_fields(cls) == set(cls.RANGES)
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"lr": -1e-3}, "lr must be greater than 0, got -0.001"),
+    ({"min_lr": 1e-2, "lr": 1e-3}, "min_lr 0.01 is above lr 0.001"),
+    ({"log_interval": 0}, "log_interval must be at least 1, got 0"),
+    ({"micro_batch_size": 0}, "micro_batch_size must be at least 1, got 0"),
+    ({"global_batch_size": -8}, "global_batch_size must be at least 1, got -8"),
+    ({"adam_beta2": 1.0}, r"adam_beta2 must be in \[0, 1\), got 1"),
+    ({"eval_iters": 0}, "eval_iters must be at least 1, got 0"),
+    ({"save_interval": 0, "save": "ckpt"}, "save_interval must be at least 1, got 0"),
+    ({"max_skipped_iters": 0}, "max_skipped_iters must be at least 1, got 0"),
+    ({"num_workers": -1}, "num_workers must be at least 0, got -1"),
+    ({"lr": "1e-3"}, r"lr: expected a number, got '1e-3' \(str\)"),  # YAML 1.1 reads 1e-3 as a string
+    ({"train_iters": 2.5}, r"train_iters: expected an integer, got 2.5 \(float\)"),
+    ({"seed": True}, r"seed: expected an integer, got True \(bool\)"),
+])
+def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes, reason):
+    with pytest.raises(ConfigError, match=f"^{reason}") as info:
+        TrainConfig(data_path=str(tmp_path), **changes).validate(1)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("cls", "changes", "reason"), [
+    (SimulatorRLConfig, {"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0"),
+    (SimulatorRLConfig, {"temperature": -1.0}, "temperature must be at least 0, got -1"),
+    (SimulatorRLConfig, {"clip_eps_low": 1.0}, r"clip_eps_low must be in \[0, 1\), got 1"),
+    (SimulatorRLConfig, {"dual_clip_c": 1.0}, "dual_clip_c must be greater than 1, got 1"),
+    (SimulatorRLConfig, {"prompts_per_step": 0}, "prompts_per_step must be at least 1, got 0"),
+    (SimulatorRLConfig, {"rollouts_per_prompt": 1}, "rollouts_per_prompt must be at least 2, got 1"),
+    (AgentRLConfig, {"gamma": 1.5}, r"gamma must be in \[0, 1\], got 1.5"),
+    (AgentRLConfig, {"lr": 0.0}, "lr must be greater than 0, got 0"),
+    (AgentRLConfig, {"csd_alpha": -0.01}, "csd_alpha must be at least 0, got -0.01"),
+])
+def test_rl_options_out_of_range_are_refused(cls, changes, reason):
+    with pytest.raises(ConfigError, match=f"^{reason}"):
+        cls(**changes).validate(1)
+
+
+def _manifest(path, sha="a" * 64):
+    path.mkdir(exist_ok=True)
+    tokenizer = {"vocab_size": 500, "sha256": sha, "path": str(path / "tokenizer")}
+    (path / "manifest.json").write_text(json.dumps({"seq_length": 256, "tokenizer": tokenizer}))
+    return path
+
+
+def test_dry_run_catches_a_negative_lr_from_the_command_line_and_from_yaml(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    data = _manifest(tmp_path / "data")
+    assert main(["--data-path", str(data), "--lr=-1e-3", "--dry-run"]) == 2
+    assert capsys.readouterr().err == "error: lr must be greater than 0, got -0.001\n"
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data_path: {data}\nlr: 1e-3\n")  # a string to YAML: no dot before the exponent
+    assert main(["--config", str(config), "--dry-run"]) == 2
+    assert capsys.readouterr().err == "error: lr: expected a number, got '1e-3' (str)\n"
+
+
+def _checkpoint(root, iteration=5, train=None, **run_config):
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_text("")  # what read_latest looks for; nothing here loads the tensors
+    (path / "run_config.json").write_text(json.dumps({"train": train or {}, **run_config}))
+    (root / "latest").write_text(f"{iteration}\n")
+    return root
+
+
+def test_a_fresh_run_into_a_save_directory_with_checkpoints_is_refused_unless_asked(tmp_path):
+    save = _checkpoint(tmp_path / "ckpt")
+    config = TrainConfig(data_path=str(tmp_path), save=str(save))
+    with pytest.raises(ConfigError, match=r"already holds checkpoints \(latest: iteration 5\); resume with --load"):
+        config.validate(1)
+    config.replace(overwrite_save=True).validate(1)
+    config.replace(load=str(save)).validate(1)
+    help_text = " ".join(build_arg_parser().format_help().split())
+    assert "--overwrite-save, --no-overwrite-save let a fresh run (no --load) write into a save directory" in help_text
+
+
+def test_resume_with_another_schedule_is_refused_with_the_reason(tmp_path):
+    saved = TrainConfig(data_path=str(tmp_path))
+    root = _checkpoint(tmp_path / "ckpt", train=saved.to_dict())
+    saved.replace(load=str(root)).validate(1)  # same schedule: resumes
+    with pytest.raises(ConfigError, match=r"other schedule options \(train_iters 200 -> 400\): a resume keeps the "
+                                          r"checkpoint's LR schedule and data order") as info:
+        saved.replace(load=str(root), train_iters=400).validate(1)
+    assert "--finetune" in str(info.value)
+    with pytest.raises(ConfigError, match=r"lr 0.003 -> 0.001; min_lr 0.0003 -> 0.0001"):
+        saved.replace(load=str(root), lr=1e-3, min_lr=1e-4).validate(1)
+    saved.replace(load=str(root), train_iters=400, finetune=True).validate(1)  # a new stage from the weights
+    assert {"train_iters", "lr", "global_batch_size", "seed"} <= set(RESUME_FIXED)
+
+
+def test_data_of_another_tokenizer_than_the_checkpoint_is_refused_on_load(tmp_path, capsys):
+    data = _manifest(tmp_path / "data", sha="b" * 64)
+    same = _checkpoint(tmp_path / "same", **{TOKENIZER_SHA256: "b" * 64})
+    other = _checkpoint(tmp_path / "other", **{TOKENIZER_SHA256: "c" * 64})
+    config = TrainConfig(data_path=str(data), model_overrides={"vocab_size": 512})
+    check_data(config.replace(load=str(same)))
+    with pytest.raises(ConfigError, match=r"prepared with another tokenizer \(sha256 bbbbbbbbbbbb\) than the "
+                                          r"checkpoint .*other/iter_0000005 \(cccccccccccc\)"):
+        check_data(config.replace(load=str(other), finetune=True))
+    check_data(config.replace(load=str(_checkpoint(tmp_path / "imported"))))  # records none: said, not refused
+    assert "records no tokenizer" in capsys.readouterr().err
+
+
+def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"save: .*/file is not a directory"):
+        TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir()
+    TrainConfig(save=str(tmp_path / "new" / "ckpt")).check_save_dir()  # created at the first save
+    # ~1000 x the 9B model: no disk this runs on has that much room
+    huge = TrainConfig(model="9b", model_overrides={"num_layers": 32_000}, save=str(tmp_path / "ckpt"))
+    with pytest.raises(ConfigError, match=r"save: no space left for a checkpoint in .*: [\d.]+ GiB free, a "
+                                          r"checkpoint of this model takes about [\d.]+ GiB"):
+        huge.check_save_dir()
+
+
+def test_checkpoint_size_estimate_counts_the_parameters_of_the_hf_model():
+    from transformers import Qwen3_5ForCausalLM
+
+    preset = TrainConfig(model_overrides={"vocab_size": 512}).preset
+    hf_params = sum(p.numel() for p in Qwen3_5ForCausalLM(preset.to_hf_config()).parameters())
+    assert abs(parameter_count(preset) - hf_params) / hf_params < 0.01  # norms and biases are left out
+    fp32 = TrainConfig(model_overrides={"vocab_size": 512})
+    assert fp32.checkpoint_bytes() == parameter_count(preset) * (4 + 4 + 4)  # weights, Adam's two moments
+    assert fp32.replace(bf16=True).checkpoint_bytes() == parameter_count(preset) * (2 + 4 + 4 + 4)
+
+
+def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    data = _manifest(tmp_path / "data")
+    (tmp_path / "file").write_text("")
+    args = ["--data-path", str(data), "--model-overrides", '{"vocab_size": 512}', "--log-dir", str(tmp_path / "log")]
+    assert main([*args, "--save", str(tmp_path / "file" / "ckpt"), "--dry-run"]) == 0  # a dry run writes nothing
+    capsys.readouterr()
+    assert main([*args, "--save", str(tmp_path / "file" / "ckpt")]) == 2  # before the process group and the model
+    assert capsys.readouterr().err == f"error: save: {tmp_path / 'file'} is not a directory\n"
