@@ -37,7 +37,7 @@ def test_config_validation_calls_the_guard(monkeypatch):
     def broken_hopper():
         raise ValueError(fla_miscompile_reason((9, 0), "3.6.0", True))
 
-    monkeypatch.setattr(training_config, "refuse_known_miscompiles", broken_hopper)
-    with pytest.raises(training_config.ConfigError, match="fla issue #640"):
+    with monkeypatch.context() as patched, pytest.raises(training_config.ConfigError, match="fla issue #640"):
+        patched.setattr(fla_guard, "refuse_known_miscompiles", broken_hopper)
         training_config.TrainConfig().validate_model_and_optimizer(1)
     assert fla_guard.refuse_known_miscompiles() is None  # this CPU machine: nothing to refuse
