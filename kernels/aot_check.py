@@ -5,9 +5,11 @@ says about it: registers, spills, shared memory and how many CTAs fit on one SM.
 exits 1 when any kernel spills. CI checks sm_80 (A100), sm_90a (H100/H200) and sm_100a (B200, through the
 wheel's ptxas-blackwell, which Triton itself uses for 10.x). Each kernel is compiled at the launch configuration ``launch_config.LAUNCHES``
 gives its architecture (the one the launcher uses), in the training dtype (bf16), in both argument
-specialisations Triton's JIT compiles at run time: pointers are 16-byte aligned (torch allocations are) and the
-integer sizes and strides either all multiples of 16 (``sizes x16``: production shapes) or not (``sizes any``: a
-ragged chunk, a last TP shard with padding cut off, a tokenizer of odd size). Compiled through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; the PTX then goes
+specialisations Triton's JIT compiles at run time. Always divisible by 16 (``:16`` below): pointers (torch
+allocations are 16-byte aligned), the hidden size and row strides (model widths: every preset's hidden size is a
+multiple of 16, which the test checks) and the d logits row pitch (the launcher aligns it). Divisible or not
+(``:16?``): the data-dependent sizes, all multiples of 16 at production shapes (``sizes x16``) or not (``sizes
+any``: a ragged chunk, a last TP shard with its padding cut off, a tokenizer of odd size). Compiled through ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; the PTX then goes
 through the ``ptxas -v`` bundled in the Triton wheel, the one Triton itself would run. Must run without
 ``TRITON_INTERPRET`` (the interpreter replaces the kernels by Python functions); the test runs it in a subprocess.
 """

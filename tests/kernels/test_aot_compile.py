@@ -15,6 +15,8 @@ import pytest
 from megatron_mimesis.kernels.aot_check import KERNELS
 from megatron_mimesis.kernels.launch_config import ARCHS, INTERPRETER, LAUNCHES
 
+from megatron_mimesis.models.presets import PRESETS
+
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 
@@ -31,6 +33,8 @@ def test_every_launched_kernel_is_checked_and_configured():
     assert {launch for launch, _, _ in KERNELS.values()} == set(LAUNCHES)
     for columns in LAUNCHES.values():
         assert set(columns) == {INTERPRETER, *ARCHS}
+    # the check compiles the hidden size and row strides as multiples of 16: true of every model we build
+    assert all(preset.hidden_size % 16 == 0 for preset in PRESETS.values())
 
 
 @pytest.mark.slow
