@@ -98,7 +98,7 @@ def _load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"object {read_item.dest_index.fqn!r} of the checkpoint is not plain data "
-                              f"({str(exc).splitlines()[0]}); refusing to load it") from None
+                                    f"({str(exc).splitlines()[0]}); refusing to load it") from None
     # hand torch's own placement the already-safe object, re-serialised: no second copy of its logic here
     _torch_load_bytes(self, read_item, _as_stream(obj))
 
