@@ -110,12 +110,12 @@ def build_user(spec: Spec, max_new_tokens: int, temperature: float, request_time
 class EpisodeSettings:
     """How the agent plays every episode; one value for all pairs so that scores compare."""
 
-    max_agent_turns: int = 30
-    max_new_tokens: int = 1024
-    temperature: float = 0.0
-    agent_thinking: bool = True
-    trials: int = 1
-    seed: int = 0
+    max_agent_turns: int
+    max_new_tokens: int
+    temperature: float
+    agent_thinking: bool
+    trials: int
+    seed: int
 
 
 # --------------------------------------------------------------------------- one agent x user pair

@@ -105,11 +105,14 @@ def plot_lengths(path: Path, observations: dict[str, list[dict]]) -> None:
                              squeeze=False, sharey=True)
     top = max([*human, *(o["words"] for name in simulators for o in observations[name])], default=1)
     bins = list(range(0, min(top, 80) + 2, max(1, min(top, 80) // 20)))
+    def clipped(values):  # turns longer than the last edge are counted in the last bin, not dropped
+        return [min(v, bins[-1] - 0.5) for v in values]
+
     for ax, name in zip(axes[0], simulators or ["human"], strict=False):
-        ax.hist(human, bins=bins, alpha=0.55, label="human", density=True, color="tab:gray")
+        ax.hist(clipped(human), bins=bins, alpha=0.55, label="human", density=True, color="tab:gray")
         if name != "human":
-            ax.hist([o["words"] for o in observations[name]], bins=bins, alpha=0.55, label=name, density=True,
-                    color="tab:blue")
+            ax.hist(clipped([o["words"] for o in observations[name]]), bins=bins, alpha=0.55, label=name,
+                    density=True, color="tab:blue")
         ax.set_title(f"turn length: human vs {name}" if name != "human" else "turn length: human")
         ax.set_xlabel("words (longer turns in the last bin)" if top > 80 else "words")
         ax.legend()

@@ -118,12 +118,12 @@ def to_reply(thinking_and_text: tuple[str | None, str], error: str | None = None
 class Settings:
     """How every simulator samples: one setting for all, so that rows differ only by the model."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    thinking: bool = False  # render prompts with the thinking template (an SFT'd simulator); off as mid-trained
-    request_timeout: float = 600
-    concurrency: int = 16
-    seed: int = 0
+    max_new_tokens: int
+    temperature: float
+    thinking: bool  # render prompts with the thinking template (an SFT'd simulator); off as mid-trained
+    request_timeout: float
+    concurrency: int
+    seed: int
 
 
 def position_seed(seed: int, key: str) -> int:
