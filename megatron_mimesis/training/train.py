@@ -63,10 +63,10 @@ def check_tokenizer_matches_checkpoint(load: str, data_path: str, tokenizer: dic
         raise ConfigError(f"load: {exc}") from None
     run_config = json.loads((path / RUN_CONFIG).read_text()) if (path / RUN_CONFIG).is_file() else {}
     saved = run_config.get(TOKENIZER_SHA256)
-    if saved is None:
+    if saved is None and os.environ.get("RANK", "0") == "0":
         print(f"warning: {path} records no tokenizer (imported, or saved before the record existed); "
               f"{data_path} is trusted to use its tokenizer", file=sys.stderr)
-    elif saved != tokenizer.get("sha256"):
+    elif saved is not None and saved != tokenizer.get("sha256"):
         raise ConfigError(
             f"{data_path}: prepared with another tokenizer (sha256 {str(tokenizer.get('sha256'))[:12]}) than the "
             f"checkpoint {path} ({saved[:12]}); prepare the data with --tokenizer {path}/tokenizer"

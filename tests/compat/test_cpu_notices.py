@@ -6,12 +6,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_mimesis.compat.cpu import CPU_NOTICE
 from tests.training.conftest import common_args, run_trainer
 
 NOISE = re.compile(r"Warning|warnings\.warn|DEPRECATED|deprecated|^[WE]\d{4} ")
 IMPORT_MEGATRON = "import megatron.core.optimizer, megatron.core.models.mimo"
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine these notices are shown")
 
 
 def _stderr_of(code: str) -> str:
