@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpoints import small_checkpoint
+
 REPO = Path(__file__).resolve().parents[2]
 JOB_ID = 4242
 MASTER_PORT = 20000 + JOB_ID % 40000
@@ -58,15 +60,6 @@ def fake(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text(json.dumps({"seq_length": seq, "tokenizer": {"vocab_size": vocab}}))
     return tmp_path, env
-
-
-def small_checkpoint(root: Path, iteration: int) -> None:
-    """A save root whose ``latest`` names a real (one-tensor) dist checkpoint: what --load validates."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"w": torch.zeros(1)}, checkpoint_id=str(root / f"iter_{iteration:07d}"), no_dist=True)
-    (root / "latest").write_text(str(iteration))
 
 
 def slurm_env(env, tmp_path):

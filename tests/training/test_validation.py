@@ -12,6 +12,7 @@ from megatron_mimesis.rl.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
 from megatron_mimesis.training.flops import parameter_count
 from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main
+from tests.checkpoints import small_checkpoint
 
 
 def _numeric_fields(cls) -> set[str]:
@@ -80,11 +81,8 @@ def test_dry_run_catches_a_negative_lr_from_the_command_line_and_from_yaml(tmp_p
 
 
 def _checkpoint(root, iteration=5, train=None, **run_config):
-    path = root / f"iter_{iteration:07d}"
-    path.mkdir(parents=True)
-    (path / ".metadata").write_text("")  # what read_latest looks for; nothing here loads the tensors
+    path = small_checkpoint(root, iteration)
     (path / "run_config.json").write_text(json.dumps({"train": train or {}, **run_config}))
-    (root / "latest").write_text(f"{iteration}\n")
     return root
 
 
