@@ -25,3 +25,11 @@ def die_with_parent(parent_pid: int) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def tie_rank_to_launcher() -> None:
+    """Under torchrun, end this rank with torchrun: each rank runs in a session of its own, so a SIGKILL of
+    torchrun (or of whatever started it) would otherwise leave the ranks holding their memory under init.
+    Outside torchrun the parent is a shell or a scheduler step, which a training run must be able to outlive."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(os.getppid())

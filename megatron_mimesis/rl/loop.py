@@ -195,10 +195,12 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     from pathlib import Path
 
     from megatron_mimesis.compat import hide_cpu_notices
+    from megatron_mimesis.lifetime import tie_rank_to_launcher
     from megatron_mimesis.training.config import parse_config
     from megatron_mimesis.training.train import run_to_completion
 
     hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
+    tie_rank_to_launcher()
     config, args = parse_config(argv, config_cls, prog=prog, description=description)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

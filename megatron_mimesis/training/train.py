@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mimesis.compat import hide_cpu_notices
+from megatron_mimesis.lifetime import tie_rank_to_launcher
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
 
 TOKENIZER_SHA256 = "tokenizer_sha256"  # run_config.json: the data manifest's hash of the tokenizer trained with
@@ -369,6 +370,7 @@ def _max_memory_gb() -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
+    tie_rank_to_launcher()
     config, args = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -23,7 +23,10 @@ def test_loader_workers_without_shared_memory_are_refused_up_front(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_kill_9_of_torchrun_and_every_rank_leaves_no_process(tiny_dataset, tmp_path):
+@pytest.mark.parametrize("ranks_too", [True, False], ids=["torchrun-and-ranks", "torchrun-alone"])
+def test_kill_9_of_torchrun_leaves_no_process(tiny_dataset, tmp_path, ranks_too):
+    """With the ranks killed too, nothing of the run remains; with torchrun alone killed, its ranks (each in a
+    session of its own) and their helpers end with it."""
     run = LocalRun(tmp_path, tiny_dataset, train_iters=1000, save_interval=1)
     try:
         run.start()
@@ -31,11 +34,16 @@ def test_kill_9_of_torchrun_and_every_rank_leaves_no_process(tiny_dataset, tmp_p
         torchrun, ranks = run.torchrun(), run.ranks()
         helpers = {p: info for p, info in run.processes().items() if info["ppid"] in ranks}
         assert len(ranks) == 2 and len(helpers) >= 2, run.processes()  # one DataLoader worker per rank at least
-        for pid in (torchrun, *ranks):
+        for pid in (torchrun, *ranks) if ranks_too else (torchrun,):
             os.kill(pid, signal.SIGKILL)
+        run_pids = {torchrun, *ranks, *helpers}
+
+        def alive():
+            return {p: info for p, info in run.processes().items() if ranks_too or p in run_pids}
+
         deadline = time.monotonic() + GRACE_S
-        while run.processes() and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not run.processes(), f"alive {GRACE_S} s after kill -9: {run.processes()}"
+        assert not alive(), f"alive {GRACE_S} s after kill -9: {alive()}"
     finally:
         run.kill_leftovers()
