@@ -35,7 +35,7 @@ def test_sigterm_then_sigusr1_to_torchrun_save_and_the_launcher_resumes(tiny_dat
             if before:
                 assert f"resuming from {run.save} (iteration {before})" in out
             assert not run.processes()
-        run.start("--train-iters", str(saved + 1))
+        run.start("--exit-interval", str(saved + 1))  # the same schedule (a resume keeps it), one step further
         assert run.wait() == 0, run.output()[-4000:]
         assert f"resuming from {run.save} (iteration {saved})" in run.output()
         assert run.iterations()[-1] == saved + 1 and run.latest() == saved + 1
