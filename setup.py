@@ -30,6 +30,7 @@ setup(
         "rich",
         "tensorboard",
         "matplotlib",
+        "scipy",  # the evaluation's distribution distances
         "openai",  # the RL judge and counterpart endpoints
     ],
     # the CLIs, usable from any directory once installed (`python -m data_prep.midtrain` and
@@ -43,6 +44,7 @@ setup(
             "mimesis-inspect-checkpoint = megatron_mimesis.tools.inspect_checkpoint:main",
             "mimesis-plot-run = megatron_mimesis.tools.plot_run:main",
             "mimesis-eval-agent = megatron_mimesis.tools.eval_agent:main",
+            "mimesis-eval-simulator = megatron_mimesis.tools.eval_simulator:main",
             "mimesis-bench-convert = megatron_mimesis.tools.bench_convert:main",
         ]
     },
