@@ -38,6 +38,7 @@ from megatron_mimesis.eval.agents import (
     build_agent,
     build_user,
     episode_records,
+    parse_env_options,
     parse_specs,
     prepare_output,
     run_pair,
@@ -170,12 +171,7 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
         tokenizer_dir("--tokenizer", args.tokenizer)
     agents = parse_specs(args.agent, "agent", AGENT_KINDS, args.env, args.tokenizer)
     users = parse_specs(args.user, "user", USER_KINDS, args.env, args.tokenizer)
-    try:
-        options = json.loads(args.env_options)
-    except json.JSONDecodeError as err:
-        raise EvalError(f"--env-options is not JSON: {err.msg}") from None
-    if not isinstance(options, dict):
-        raise EvalError("--env-options must be a JSON object")
+    options = parse_env_options(args.env_options)
     if args.env == "tau2" and "domain" not in options:
         raise EvalError('--env tau2 needs --env-options \'{"domain": ...}\'')
     try:

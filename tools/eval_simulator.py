@@ -31,7 +31,14 @@ from transformers.utils import logging as hf_logging
 from data_prep.records import FORMATS
 from data_prep.render import USER_SPEAKERS
 from megatron_mimesis.eval import report
-from megatron_mimesis.eval.agents import AGENT_KINDS, EpisodeSettings, EvalError, build_agent, parse_spec
+from megatron_mimesis.eval.agents import (
+    AGENT_KINDS,
+    EpisodeSettings,
+    EvalError,
+    build_agent,
+    parse_env_options,
+    parse_spec,
+)
 from megatron_mimesis.eval.cache import ResultCache
 from megatron_mimesis.eval.calibration import OutcomeError, read_outcomes
 from megatron_mimesis.eval.evaluation import (
@@ -167,12 +174,7 @@ def validate_calibration(args):
     agent = parse_spec(f"agent={args.agent}", "agent", AGENT_KINDS, args.env, args.agent_tokenizer)
     if agent.kind == "openai":
         check_reachable(agent.target, "--agent", args.request_timeout)
-    try:
-        options = json.loads(args.env_options)
-    except json.JSONDecodeError as err:
-        raise EvalError(f"--env-options is not JSON: {err.msg}") from None
-    if not isinstance(options, dict):
-        raise EvalError("--env-options must be a JSON object")
+    options = parse_env_options(args.env_options)
     try:
         suite = build_suite(args.env, options)
         task_ids = set(suite.task_ids(args.env_split))

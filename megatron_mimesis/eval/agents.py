@@ -9,6 +9,7 @@ A pair's episode is scored when it ran to the end; an episode whose user model o
 the env could not score, is left out and counted by reason: scoring it 0 would blame the agent for an outage.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,17 @@ def parse_spec(text: str, role: str, kinds: tuple[str, ...], env: str, tokenizer
     if tokenizer is None and not Path(model).is_dir():
         raise EvalError(f"{where}: an openai agent needs --tokenizer (the served model's tokenizer directory)")
     return Spec(name, kind, base_url, model, tokenizer_dir(where, tokenizer or model))
+
+
+def parse_env_options(text: str) -> dict:
+    """``--env-options``: the environment suite's options, a JSON object."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise EvalError(f"--env-options is not JSON: {err.msg}") from None
+    if not isinstance(options, dict):
+        raise EvalError("--env-options must be a JSON object")
+    return options
 
 
 def tokenizer_dir(where: str, path: str) -> str:
