@@ -29,7 +29,9 @@ def _final_tensors(ckpt_root, tmp_path) -> dict[str, torch.Tensor]:
 
 
 def test_parallel_layouts_and_recompute_train_like_one_process(tiny_dataset, tiny_hf_checkpoint, tmp_path):
-    init = ["--pretrained-hf", str(tiny_hf_checkpoint), "--train-iters", "3"]
+    # 4 steps: with the tiny preset's head dims of 64 the second batch's loss is above the first's whatever the
+    # layout, and the loss falls below the first step's from the fourth on
+    init = ["--pretrained-hf", str(tiny_hf_checkpoint), "--train-iters", "4"]
     run_trainer(1, *common_args(tiny_dataset, tmp_path / "single", *init))
     run_trainer(2, *common_args(tiny_dataset, tmp_path / "tp2", *init, "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"))
@@ -39,7 +41,7 @@ def test_parallel_layouts_and_recompute_train_like_one_process(tiny_dataset, tin
     run_trainer(1, *common_args(tiny_dataset, tmp_path / "recompute", *init, "--recompute-granularity", "full",
                                 "--recompute-method", "uniform", "--recompute-num-layers", "1"))
     single = train_losses(tmp_path / "single")
-    assert len(single) == 3 and single[2] < single[0]  # it learns
+    assert len(single) == 4 and single[3] < single[0]  # it learns
     for layout in ("tp2", "pp2", "vpp", "recompute"):
         other = train_losses(tmp_path / layout)
         assert max(abs(a - b) for a, b in zip(single, other, strict=True)) <= LAYOUT_TOL, (layout, single, other)
