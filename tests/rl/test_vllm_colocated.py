@@ -216,7 +216,7 @@ class VLLMServer:
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                     "--host", "127.0.0.1",
                     "--port", str(self.port), "--served-model-name", "tiny", "--dtype", "bfloat16",
-                    "--gpu-memory-utilization", str(ENGINE_OPTIONS["gpu_memory_utilization"]),
+                    "--kv-cache-memory-bytes", str(ENGINE_OPTIONS["kv_cache_memory_bytes"]),
                     "--max-model-len", str(ENGINE_OPTIONS["max_model_len"]),
                     "--max-num-batched-tokens", str(ENGINE_OPTIONS["max_num_batched_tokens"]),
                     "--no-enable-prefix-caching", "--enforce-eager",
