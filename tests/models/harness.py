@@ -77,22 +77,33 @@ def build_megatron_from_hf(hf_state, parallel: ParallelConfig, preset=PRESET, **
     return model, config, provider
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(fused_loss, data_iterator, model):
+    """The per-token loss of megatron's own output layer, or (``fused_loss``) the trainer's: the fused kernel's
+    masked sum from the hidden states, with no logits tensor."""
+    from megatron_mimesis.training.loss import lm_loss_output_processor
+
     batch = next(data_iterator)
-    seq = batch["tokens"].shape[1]
-    position_ids = torch.arange(seq).expand_as(batch["tokens"])
-    per_token = model(batch["tokens"], position_ids, None, labels=batch["labels"])
-    mask = batch["loss_mask"]
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+    if fused_loss:
+        output = model(tokens, position_ids, None, labels=batch["labels"], loss_mask=mask,
+                       output_processor=lm_loss_output_processor)
+    else:
+        output = model(tokens, position_ids, None, labels=batch["labels"])
 
     def loss_func(output):
-        loss = (output.float() * mask).sum() / mask.sum()
+        loss = (output.float() if fused_loss else output.float() * mask).sum() / mask.sum()
         return loss, {"loss": loss.detach().clone()}
 
-    return per_token, loss_func
+    return output, loss_func
 
 
-def megatron_train_step(rank, world_size, tp, pp, sequence_parallel, hf_state, batch):
-    """One forward/backward through megatron's schedule with DDP and grad finalisation; returns loss and HF-named grads."""
+def megatron_train_step(rank, world_size, tp, pp, sequence_parallel, hf_state, batch, preset=PRESET,
+                        fused_loss=False):
+    """One forward/backward through megatron's schedule with DDP and grad finalisation: the loss (last stage),
+    this stage's HF-named grads and weights, and the output layer's local gradient, padding rows included."""
+    from functools import partial
+
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -106,20 +117,25 @@ def megatron_train_step(rank, world_size, tp, pp, sequence_parallel, hf_state, b
     model_parallel_cuda_manual_seed(0)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               sequence_parallel=sequence_parallel)
-    module, config, provider = build_megatron_from_hf(hf_state, parallel)
+    module, config, provider = build_megatron_from_hf(hf_state, parallel, preset=preset)
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                     module=module)
     config.finalize_model_grads_func = finalize_grads
     model.zero_grad_buffer()
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
-        seq_length=batch["tokens"].shape[1], micro_batch_size=batch["tokens"].shape[0], forward_only=False,
+        forward_step_func=partial(_forward_step, fused_loss), data_iterator=iter([batch]), model=[model],
+        num_microbatches=1, seq_length=batch["tokens"].shape[1], micro_batch_size=batch["tokens"].shape[0],
+        forward_only=False,
     )
     loss = losses[0]["loss"].item() if losses else None
+    output_layer = getattr(module, "output_layer", None)
     result = {
         "loss": loss,
-        "grads": gather_hf_tensors(module, PRESET, provider.padded_vocab_size, grads=True),
-        "weights": gather_hf_tensors(module, PRESET, provider.padded_vocab_size),
+        "grads": gather_hf_tensors(module, preset, provider.padded_vocab_size, grads=True),
+        "weights": gather_hf_tensors(module, preset, provider.padded_vocab_size),
+        "output_grad": None if output_layer is None else output_layer.weight.main_grad.detach().clone(),
+        "padded_vocab_size": provider.padded_vocab_size,
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
     }
     parallel_state.destroy_model_parallel()
     return result
