@@ -11,6 +11,8 @@ Each request of a call draws from its own generator seeded by :class:`~megatron_
 reproduces and identical prompts within one call still draw independent samples.
 """
 
+import inspect
+
 import torch
 
 from megatron_mimesis.rl.engine import SeedStream, sample_tokens
@@ -23,6 +25,10 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.seeds = SeedStream(seed)
+        # transformers renamed the decoding cache (argument and output field) from past_key_values to cache after
+        # 5.19, which vLLM 0.32 still needs; setup.py admits both
+        forward = inspect.signature(self.model.forward).parameters
+        self._cache_field = "cache" if "cache" in forward else "past_key_values"
 
     @classmethod
     def from_pretrained(cls, path, tokenizer=None, device: str | None = None, dtype: str = "auto",
@@ -54,8 +60,8 @@ class HFEngine:
         inputs = torch.tensor([prompt], device=self.device)
         cache = None
         for _ in range(sampling.max_new_tokens):
-            out = self.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1)
-            cache = out.cache
+            out = self.model(input_ids=inputs, use_cache=True, logits_to_keep=1, **{self._cache_field: cache})
+            cache = getattr(out, self._cache_field)
             logits = out.logits[0, -1].float()
             token = int(sample_tokens(logits[None], sampling, generator)[0])
             token_ids.append(token)

@@ -94,11 +94,13 @@ class FakeOpenAIServer:
     completion ending in a requested ``stop_token_ids`` id stops there ("stop", ``stop_reason`` that id; else
     "length"), ``logprobs`` come back as ``logprob_of(k)`` for the k-th token, and the vLLM extensions named in
     ``id_fields`` are honoured (``return_token_ids``: ``token_ids``; ``return_tokens_as_token_ids``: logprob
-    tokens ``"token_id:{id}"``; remove them to play an older or non-vLLM server)."""
+    tokens ``"token_id:{id}"``; remove them to play an older or non-vLLM server). With ``refuse_echo`` it answers
+    a request for prompt log-probs (``echo``) with 400, as a chat-model API does."""
 
     def __init__(self, reply=lambda messages: "ok " + messages[-1]["content"], complete=lambda prompt: "ok",
-                 encode=None):
+                 encode=None, refuse_echo=False):
         self.reply = reply
+        self.refuse_echo = refuse_echo
         self.complete = complete
         self.encode = encode
         self.id_fields = {"return_token_ids", "return_tokens_as_token_ids"}
@@ -144,6 +146,8 @@ class FakeOpenAIServer:
             status = 500 if self.broken else (self.failures.pop(0) if self.failures else 200)
         if status != 200:
             return status, {"error": {"message": "scripted failure", "type": "server_error"}}
+        if body.get("echo") and self.refuse_echo:
+            return 400, {"error": {"message": "echo is not supported", "type": "invalid_request_error"}}
         text = self.complete(body["prompt"])
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop", "stop_reason": None}
         if self.encode is not None:

