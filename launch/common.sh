@@ -97,8 +97,9 @@ quote_cmd() {
   echo "${out[*]}"
 }
 
-# The trainer's own validation, once, before torchrun starts any rank: a bad option is one line and the exit
-# status 2, not the same line from every rank followed by torchrun's ChildFailedError report.
+# The trainer's own validation, once, before torchrun (or srun) starts any rank: a bad option is one line and the
+# exit status 2 from the batch shell, not the same line from every rank of every node followed by torchrun's
+# ChildFailedError reports, after the job waited in the queue for its nodes.
 check_config() {
   WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
     "${train_args[@]}" --dry-run >/dev/null || exit $?
@@ -243,6 +244,7 @@ launch() {
     return 0
   fi
   if ((in_slurm)); then
+    check_config
     run_srun
     return
   fi

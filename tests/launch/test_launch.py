@@ -119,14 +119,24 @@ def test_local_dry_run_without_gpu_is_the_demo(fake):
 def test_slurm_launch_runs_one_torchrun_per_node(fake):
     tmp_path, env = fake
     fake_python = write_exe(tmp_path / "bin" / "python-fake", FAKE_PYTHON)
-    result = run("sft.sh", ["--lr", "2e-7"], {**slurm_env(env, tmp_path), "SLURM_NNODES": "1", "PYTHON": str(fake_python)})
+    # midtrain: sft_9b.yaml loads the mid-training checkpoint, which the launcher's config check finds missing here
+    result = run("midtrain.sh", ["--lr", "2e-5"],
+                 {**slurm_env(env, tmp_path), "SLURM_NNODES": "1", "PYTHON": str(fake_python)})
     assert result.returncode == 0, result.stderr
     srun_args = (tmp_path / "log" / "srun").read_text().splitlines()
     assert srun_args[:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=64",
                              "--kill-on-bad-exit=1"]
     torchrun = result.stdout.strip()
     assert torchrun.startswith("TORCHRUN -m torch.distributed.run --nnodes 1 --nproc-per-node 8 --node-rank 3 ")
-    assert torchrun.endswith(f"--config launch/configs/sft_9b.yaml --lr 2e-7 --data-path {tmp_path / 'data9b'}")
+    assert torchrun.endswith(f"--config launch/configs/midtrain_9b.yaml --lr 2e-5 --data-path {tmp_path / 'data9b'}")
+
+
+def test_slurm_launch_refuses_a_bad_config_before_srun(fake):
+    tmp_path, env = fake
+    result = run("midtrain.sh", ["--lr=-1"], slurm_env(env, tmp_path))
+    assert result.returncode == 2
+    assert result.stderr == "error: lr must be greater than 0, got -1\n" and result.stdout == ""
+    assert not (tmp_path / "log" / "srun").exists() and not (tmp_path / "log" / "scontrol").exists()
 
 
 def test_sigusr1_is_forwarded_and_the_job_requeued(fake):
