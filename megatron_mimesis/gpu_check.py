@@ -447,30 +447,30 @@ def stage_vllm(rec: StageRecorder) -> None:
     sync_weights(engine, [model], preset, provider.padded_vocab_size)
     sync_s = time.perf_counter() - started
     synced = engine.score(prompts, responses)
+    synced_err, dummy_err = _max_abs(synced, trainer), _max_abs(dummy, trainer)
     failures = []
-    if _max_abs(synced, trainer) > VLLM_TOLERANCE:
+    if synced_err > VLLM_TOLERANCE:
         failures.append("the engine does not score like the trainer after the sync")
-    if _max_abs(dummy, trainer) <= VLLM_TOLERANCE:
+    if dummy_err <= VLLM_TOLERANCE:
         failures.append("the check cannot tell the dummy weights from the trainer's")
     rec.row(check=f"colocated sync + score (tiny, vocab {VLLM_VOCAB} padded to {provider.padded_vocab_size}, "
-            "bf16)", engine_start_s=start_s, sync_s=sync_s, engine_vs_trainer_max_abs=_max_abs(synced, trainer),
-            dummy_vs_trainer_max_abs=_max_abs(dummy, trainer), tolerance=VLLM_TOLERANCE,
-            status="failed" if failures else "ok")
+            "bf16)", engine_start_s=start_s, sync_s=sync_s, engine_vs_trainer_max_abs=synced_err,
+            dummy_vs_trainer_max_abs=dummy_err, tolerance=VLLM_TOLERANCE, status="failed" if failures else "ok")
     if engine.sleeps:
         free = [torch.cuda.mem_get_info()[0]]
         engine.sleep()
         free.append(torch.cuda.mem_get_info()[0])
         engine.wake()
         free.append(torch.cuda.mem_get_info()[0])
-        woken = engine.score(prompts, responses)
+        woken_err = _max_abs(engine.score(prompts, responses), synced)
         freed_gib = (free[1] - free[0]) / 2**30
         share_gib = options["gpu_memory_utilization"] * torch.cuda.mem_get_info()[1] / 2**30
-        ok = freed_gib >= share_gib / 2 and _max_abs(woken, synced) <= WAKE_TOLERANCE
+        ok = freed_gib >= share_gib / 2 and woken_err <= WAKE_TOLERANCE
         if not ok:
             failures.append("sleep kept the engine's memory or wake changed its weights")
         rec.row(check="sleep frees the engine's memory, wake restores its weights", freed_by_sleep_gib=freed_gib,
                 engine_share_gib=share_gib, taken_back_by_wake_gib=(free[1] - free[2]) / 2**30,
-                woken_vs_synced_max_abs=_max_abs(woken, synced), status="ok" if ok else "failed")
+                woken_vs_synced_max_abs=woken_err, status="ok" if ok else "failed")
         rec.note("sleep level 1 drops the KV cache and moves the weights to host memory: it must free at least half "
                  "the engine's share (gpu_memory_utilization x the GPU), and the woken engine score as before")
     else:
