@@ -447,7 +447,7 @@ def stage_vllm(rec: StageRecorder) -> None:
     sync_weights(engine, [model], preset, provider.padded_vocab_size)
     sync_s = time.perf_counter() - started
     synced = engine.score(prompts, responses)
-    synced_err, dummy_err = _max_abs(synced, trainer), _max_abs(dummy, trainer)
+    synced_err, dummy_err = max_abs_diff(synced, trainer), max_abs_diff(dummy, trainer)
     failures = []
     if synced_err > VLLM_TOLERANCE:
         failures.append("the engine does not score like the trainer after the sync")
@@ -462,7 +462,7 @@ def stage_vllm(rec: StageRecorder) -> None:
         free.append(torch.cuda.mem_get_info()[0])
         engine.wake()
         free.append(torch.cuda.mem_get_info()[0])
-        woken_err = _max_abs(engine.score(prompts, responses), synced)
+        woken_err = max_abs_diff(engine.score(prompts, responses), synced)
         freed_gib = (free[1] - free[0]) / 2**30
         share_gib = options["gpu_memory_utilization"] * torch.cuda.mem_get_info()[1] / 2**30
         ok = freed_gib >= share_gib / 2 and woken_err <= WAKE_TOLERANCE
@@ -479,7 +479,8 @@ def stage_vllm(rec: StageRecorder) -> None:
         raise SystemExit("vllm stage: " + "; ".join(failures))
 
 
-def _max_abs(rows_a, rows_b) -> float:
+def max_abs_diff(rows_a, rows_b) -> float:
+    """The largest |a - b| over two equally shaped lists of log-prob rows."""
     return max(abs(a - b) for row_a, row_b in zip(rows_a, rows_b, strict=True)
                for a, b in zip(row_a, row_b, strict=True))
 

@@ -51,6 +51,18 @@ def hf_loss_and_grads(model, batch):
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+# megatron's gradients vs transformers', relative to each tensor's largest HF entry
+GRAD_TOL = 1e-5
+
+
+def assert_grads_close(ours: dict, ref: dict, where: str) -> None:
+    """Every HF-named gradient of ``ref`` present in ``ours`` and within GRAD_TOL of it."""
+    assert set(ours) == set(ref), set(ours) ^ set(ref)
+    for name, g in ref.items():
+        err = (ours[name] - g).abs().max().item()
+        assert err <= GRAD_TOL * max(1.0, g.abs().max().item()), f"{where}: {name} grad differs by {err}"
+
+
 def init_single_process_megatron():
     """TP=1, PP=1 megatron in this process (idempotent), for tests that need no second rank."""
     from megatron.core import parallel_state

@@ -6,6 +6,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_mimesis.models.config import ParallelConfig
 from tests.models.harness import (
+    assert_grads_close,
     build_megatron_from_hf,
     hf_loss_and_grads,
     hf_reference,
@@ -16,7 +17,6 @@ from tests.models.harness import (
 from tests.multiproc import run_distributed
 
 LOGIT_TOL = 1e-4  # measured: ~2e-7
-GRAD_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +59,12 @@ def test_packed_row_equals_each_document_alone(megatron_model):
     assert (unpacked - packed_logits).abs().max() > 1e-3
 
 
-def _assert_grads_close(ours, ref, where):
-    assert set(ours) == set(ref), set(ours) ^ set(ref)
-    for name, g in ref.items():
-        err = (ours[name] - g).abs().max().item()
-        assert err <= GRAD_TOL * max(1.0, g.abs().max().item()), f"{where}: {name} grad differs by {err}"
-
-
 def test_loss_and_every_gradient_match_transformers_single_process(hf_model):
     batch = make_batch()
     ref_loss, ref_grads = hf_loss_and_grads(hf_model, batch)
     (out,) = run_distributed(megatron_train_step, 1, 1, 1, False, hf_model.state_dict(), batch)
     assert abs(out["loss"] - ref_loss) <= 1e-5, (out["loss"], ref_loss)
-    _assert_grads_close(out["grads"], ref_grads, "TP=1")
+    assert_grads_close(out["grads"], ref_grads, "TP=1")
 
 
 @pytest.mark.slow
@@ -82,7 +75,7 @@ def test_tensor_parallel_2_matches_transformers(hf_model, sequence_parallel):
     outs = run_distributed(megatron_train_step, 2, 2, 1, sequence_parallel, hf_model.state_dict(), batch)
     for rank, out in enumerate(outs):
         assert abs(out["loss"] - ref_loss) <= 1e-5, (rank, out["loss"], ref_loss)
-        _assert_grads_close(out["grads"], ref_grads, f"TP=2 rank {rank}")
+        assert_grads_close(out["grads"], ref_grads, f"TP=2 rank {rank}")
 
 
 @pytest.mark.slow
@@ -92,4 +85,4 @@ def test_pipeline_parallel_2_matches_transformers(hf_model):
     first, last = run_distributed(megatron_train_step, 2, 1, 2, False, hf_model.state_dict(), batch)
     assert abs(last["loss"] - ref_loss) <= 1e-5, (last["loss"], ref_loss)
     assert set(first["grads"]).isdisjoint(last["grads"])
-    _assert_grads_close({**first["grads"], **last["grads"]}, ref_grads, "PP=2")
+    assert_grads_close({**first["grads"], **last["grads"]}, ref_grads, "PP=2")

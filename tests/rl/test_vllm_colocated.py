@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_mimesis.gpu_check import VLLM_ROWS, VLLM_TOLERANCE
+from megatron_mimesis.gpu_check import VLLM_ROWS, VLLM_TOLERANCE, max_abs_diff
 from megatron_mimesis.rl.vllm_engine import CPU_TINY_OPTIONS
 from tests.multiproc import run_distributed
 from tests.training.conftest import REPO, read_metrics, run_trainer
@@ -146,10 +146,6 @@ def layout(request):
     return request.getfixturevalue(f"tp{request.param}")[0]
 
 
-def max_diff(a, b):
-    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
-
-
 def test_the_engine_tp_group_is_megatrons(layout):
     for result in layout:
         assert result["vllm_tp_ranks"] == result["megatron_tp_ranks"] == list(range(len(layout)))
@@ -157,8 +153,8 @@ def test_the_engine_tp_group_is_megatrons(layout):
 
 def test_after_the_sync_the_engine_scores_like_the_trainer(layout):
     for result in layout:
-        print(f"MEASURED TP={len(layout)} engine vs trainer: {max_diff(result['engine'], result['trainer']):.3g}")
-        assert max_diff(result["engine"], result["trainer"]) <= TRAINER_TOLERANCE
+        print(f"MEASURED TP={len(layout)} engine vs trainer: {max_abs_diff(result['engine'], result['trainer']):.3g}")
+        assert max_abs_diff(result["engine"], result["trainer"]) <= TRAINER_TOLERANCE
         assert min(lp for row in result["trainer"] for lp in row) < -1.0  # peaked: the check can tell weights apart
 
 
@@ -167,7 +163,7 @@ def test_generation_raw_logprobs_stop_id_and_seeds(layout):
         tokens = [t for t, _, _ in result["generations"]]
         assert all(len(t) == 8 and reason == "length" for t, _, reason in result["generations"])
         # raw_logprobs: the untempered log-probs at temperature 0.7, i.e. what scoring the same tokens gives
-        decode = max_diff([lps for _, lps, _ in result["generations"]], result["rescored"])
+        decode = max_abs_diff([lps for _, lps, _ in result["generations"]], result["rescored"])
         print(f"MEASURED TP={len(layout)} sampled vs prompt log-probs: {decode:.3g}")
         assert decode <= DECODE_TOLERANCE
         assert result["again"] == tokens and result["other_seed"] != tokens
@@ -194,10 +190,10 @@ def served(tp1, tmp_path_factory):
 def test_after_a_step_and_the_second_sync_the_engine_equals_a_fresh_vllm_of_the_export(tp1, served):
     (result,), _ = tp1
     fresh = served.prompt_logprobs(*ROWS)
-    print(f"MEASURED engine after the step vs fresh vllm serve: {max_diff(result['after'], fresh):.3g}; "
-          f"stale vs fresh: {max_diff(result['engine'], fresh):.3g}")
-    assert max_diff(result["after"], fresh) <= FRESH_TOLERANCE
-    assert max_diff(result["engine"], fresh) > 1.0  # the stale weights scored otherwise (measured 4.25)
+    print(f"MEASURED engine after the step vs fresh vllm serve: {max_abs_diff(result['after'], fresh):.3g}; "
+          f"stale vs fresh: {max_abs_diff(result['engine'], fresh):.3g}")
+    assert max_abs_diff(result["after"], fresh) <= FRESH_TOLERANCE
+    assert max_abs_diff(result["engine"], fresh) > 1.0  # the stale weights scored otherwise (measured 4.25)
 
 
 def test_the_rl_step_logs_engine_mismatch_sync_time_and_throughput(tp1):
