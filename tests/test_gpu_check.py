@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from megatron_mimesis import gpu_check
+from megatron_mimesis.gpu_check import run
+from megatron_mimesis.gpu_check.vllm import VLLM_TOLERANCE
 
 STUB = textwrap.dedent("""
     import json, os, sys, time
@@ -44,17 +45,17 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
 def _stub_stages(monkeypatch, tmp_path, caps, budget):
     script = tmp_path / "stub.py"
     script.write_text(STUB)
-    monkeypatch.setattr(gpu_check, "stage_command", lambda name, out: [sys.executable, str(script), name, str(out)])
-    monkeypatch.setattr(gpu_check, "detect_gpu", lambda: "NVIDIA H200 (stub)")
-    monkeypatch.setattr(gpu_check, "STAGE_CAPS", caps)
-    monkeypatch.setattr(gpu_check, "TOTAL_BUDGET_S", budget)
+    monkeypatch.setattr(run, "stage_command", lambda name, out: [sys.executable, str(script), name, str(out)])
+    monkeypatch.setattr(run, "detect_gpu", lambda: "NVIDIA H200 (stub)")
+    monkeypatch.setattr(run, "STAGE_CAPS", caps)
+    monkeypatch.setattr(run, "TOTAL_BUDGET_S", budget)
 
 
 def test_each_stage_is_isolated_and_the_report_is_written(monkeypatch, tmp_path, capsys):
     out = tmp_path / "report"
     _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 3, "vllm": 30},
                  budget=120)
-    assert gpu_check.main(["--out", str(out)]) == 1
+    assert run.main(["--out", str(out)]) == 1
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["device"] == "NVIDIA H200 (stub)" and set(report["versions"]) >= {"torch", "triton"}
     kernels, parity, throughput, vllm = (report["stages"][s] for s in ("kernels", "parity", "throughput", "vllm"))
@@ -77,7 +78,7 @@ def test_stages_past_the_total_budget_are_skipped_and_reported(monkeypatch, tmp_
     _stub_stages(monkeypatch, tmp_path, {"kernels": 30, "parity": 30, "throughput": 30, "vllm": 30},
                  budget=18)
     monkeypatch.setenv("STUB_KERNELS_SECONDS", "4")  # leaves under the 15 s a stage needs at least
-    assert gpu_check.main(["--out", str(out), "--stages", "kernels", "throughput"]) == 1
+    assert run.main(["--out", str(out), "--stages", "kernels", "throughput"]) == 1
     report = json.loads((out / "gpu_check.json").read_text())
     assert list(report["stages"]) == ["kernels", "throughput"]
     assert report["stages"]["kernels"]["status"] == "ok"
@@ -94,6 +95,6 @@ def test_the_vllm_stage_runs_on_vllms_cpu_backend(tmp_path):
     stage = json.loads((tmp_path / "stage_vllm.json").read_text())
     (sync,) = stage["rows"]
     assert sync["check"] == "colocated sync + score (tiny, vocab 520 padded to 576, bf16)" and sync["status"] == "ok"
-    assert sync["engine_vs_trainer_max_abs"] <= gpu_check.VLLM_TOLERANCE < 1.0 < sync["dummy_vs_trainer_max_abs"]
+    assert sync["engine_vs_trainer_max_abs"] <= VLLM_TOLERANCE < 1.0 < sync["dummy_vs_trainer_max_abs"]
     assert sync["engine_start_s"] > 0 and sync["sync_s"] > 0
     assert stage["notes"] == ["sleep not checked: vLLM has no sleep mode on cpu"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mimesis.rl.vllm_engine import CPU_TINY_OPTIONS
+from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 

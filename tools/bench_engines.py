@@ -20,7 +20,7 @@ import time
 import torch
 
 from megatron_mimesis.models.presets import get_preset
-from megatron_mimesis.rl.vllm_engine import CPU_TINY_OPTIONS
+from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS
 
 
 class _IdsOnly:
@@ -62,11 +62,11 @@ def main(argv=None) -> int:
     from megatron_mimesis.compat import compute_device, enable_cpu_compat
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
     from megatron_mimesis.models.provider import ModelProvider
-    from megatron_mimesis.rl.local_engine import LocalEngine
-    from megatron_mimesis.rl.scoring import score_rows
+    from megatron_mimesis.rl.engines.local import LocalEngine
+    from megatron_mimesis.rl.engines.vllm import VLLMEngine
+    from megatron_mimesis.rl.engines.weight_sync import sync_weights
     from megatron_mimesis.rl.types import SamplingParams
-    from megatron_mimesis.rl.vllm_engine import VLLMEngine
-    from megatron_mimesis.rl.weight_sync import sync_weights
+    from megatron_mimesis.rl.update.scoring import score_rows
 
     # a world of one, set up as torchrun would (vLLM's external_launcher reads these too)
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),

@@ -10,8 +10,8 @@ Exit status 0 on success, 2 with a one-line reason on bad input.
 import argparse
 import sys
 
-from megatron_mimesis.models.conversion import ConversionError, export_to_hf, import_from_hf
-from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
+from megatron_mimesis.checkpoint.conversion import ConversionError, export_to_hf, import_from_hf
+from megatron_mimesis.checkpoint.reader import CheckpointError
 
 
 def parse_args(argv):

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_mimesis.models.dist_ckpt_reader import (
+from megatron_mimesis.checkpoint.reader import (
     RUN_CONFIG,
     CheckpointError,
     checkpoint_iteration,

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from megatron_mimesis.rl.agent_episodes import AgentEpisodeRunner, score_episodes
+from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, score_episodes
+from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer
+from megatron_mimesis.rl.engines.hf import HFEngine
+from megatron_mimesis.rl.engines.openai import OpenAICompletionsEngine
 from megatron_mimesis.rl.envs.toy import toy_user
-from megatron_mimesis.rl.hf_engine import HFEngine
-from megatron_mimesis.rl.openai_engine import OpenAICompletionsEngine
 from megatron_mimesis.rl.types import SamplingParams
-from megatron_mimesis.rl.user_models import EngineUserModel, OpenAIUserModel
 
 AGENT_KINDS = ("hf", "openai")
 USER_KINDS = ("hf", "openai", "scripted")

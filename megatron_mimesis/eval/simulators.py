@@ -29,10 +29,10 @@ import openai
 import torch
 
 from megatron_mimesis.eval.likelihood import LikelihoodUnavailable
+from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer, strip_thinking
-from megatron_mimesis.rl.engine import request_seeds
+from megatron_mimesis.rl.engines.protocol import request_seeds
 from megatron_mimesis.rl.types import SamplingParams
-from megatron_mimesis.rl.user_models import EngineUserModel, OpenAIUserModel
 
 KINDS = ("hf", "ckpt", "openai")
 STOP_MARKER = "<END>"
@@ -74,7 +74,7 @@ def parse_spec(text: str, tokenizer: str | None) -> Spec:
             raise SpecError(f"{where}: {target} is not an HF checkpoint directory (no config.json)")
         return Spec(name, kind, target, tokenizer=tokenizer_dir(where, tokenizer or target))
     if kind == "ckpt":
-        from megatron_mimesis.models.dist_ckpt_reader import CheckpointError, resolve_checkpoint_dir
+        from megatron_mimesis.checkpoint.reader import CheckpointError, resolve_checkpoint_dir
 
         try:
             resolve_checkpoint_dir(target)
@@ -255,14 +255,14 @@ def build(spec: Spec, settings: Settings, workdir: Path):
     if spec.kind == "openai" and spec.tokenizer is None:
         return ChatSimulator(spec.name, spec.target, spec.model, settings)
     if spec.kind == "openai":
-        from megatron_mimesis.rl.openai_engine import OpenAICompletionsEngine
+        from megatron_mimesis.rl.engines.openai import OpenAICompletionsEngine
 
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
         engine = OpenAICompletionsEngine(spec.target, spec.model, tokenizer, timeout_s=settings.request_timeout,
                                          concurrency=settings.concurrency, seed=settings.seed, errors="return")
         scorer = echo_scorer(engine.client, spec.model, spec.target, settings.concurrency)
         return EngineSimulator(spec.name, engine, tokenizer, spec.tokenizer, settings, scorer, settings.concurrency)
-    from megatron_mimesis.rl.hf_engine import HFEngine
+    from megatron_mimesis.rl.engines.hf import HFEngine
 
     path, tokenizer_path = spec.target, spec.tokenizer
     if spec.kind == "ckpt":
@@ -275,7 +275,7 @@ def build(spec: Spec, settings: Settings, workdir: Path):
 
 def export_checkpoint(checkpoint: str, out: Path) -> Path:
     """A dist checkpoint (any layout) as an fp32 HF directory, through the one converter (no process group)."""
-    from megatron_mimesis.models.conversion import export_to_hf
+    from megatron_mimesis.checkpoint.conversion import export_to_hf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     return export_to_hf(checkpoint, out, dtype="fp32", progress=False)

@@ -8,7 +8,7 @@ the frozen simulator as the user (its thinking private); score each episode with
 evaluator, or the toy env's per-turn reward); turn every agent generation into a training row whose reward is
 the reward-to-go G_t (gamma); then CSD: a coach writes a note per agent turn from the user's next thinking and
 reply, and the current weights, without grad and with the note in context, re-score the student's sampled
-tokens (``csd.py``); finally one optimizer step on L_GRPO + alpha L_CSD with advantages over unique rollouts
+tokens (``agent/csd.py``); finally one optimizer step on L_GRPO + alpha L_CSD with advantages over unique rollouts
 (each group's statistics read G_0 of every rollout once).
 
 Coach failures drop that turn's CSD term (counted); env scoring failures leave the rollout unscored
@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from megatron_mimesis.rl.agent_config import AgentRLConfig
+from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.rl.envs import build_suite
 from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, rl_main, std
 from megatron_mimesis.training.config import ConfigError
@@ -73,7 +73,7 @@ class AgentRL(RLLoop):
     headline = ("reward_mean", "pg_loss", "csd_gate_mean")
 
     def __init__(self, config: AgentRLConfig):
-        from megatron_mimesis.rl.agent_episodes import AgentEpisodeRunner
+        from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner
         from megatron_mimesis.rl.chat import ChatRenderer
         from megatron_mimesis.rl.types import SamplingParams
 
@@ -88,17 +88,17 @@ class AgentRL(RLLoop):
         self.coach = self._coach() if c.csd_alpha else None
         self.coach_template = None
         if self.coach is not None:
-            from megatron_mimesis.rl.csd import COACH_TEMPLATE
+            from megatron_mimesis.rl.agent.csd import COACH_TEMPLATE
 
             self.coach_template = COACH_TEMPLATE.read_text()
         self.samples_path = Path(c.log_dir) / "csd_samples.jsonl"
 
     def _user_model(self):
         """Remote or scripted users answer on the model-parallel leader; a local one is a collective engine."""
+        from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
         from megatron_mimesis.rl.chat import ChatRenderer
-        from megatron_mimesis.rl.local_engine import LocalEngine
+        from megatron_mimesis.rl.engines.local import LocalEngine
         from megatron_mimesis.rl.types import SamplingParams
-        from megatron_mimesis.rl.user_models import EngineUserModel, OpenAIUserModel
 
         c = self.config
         if c.user_model == "scripted":
@@ -115,7 +115,7 @@ class AgentRL(RLLoop):
                                options.get("stop_marker", "<END>"))
 
     def _coach(self):
-        from megatron_mimesis.rl.csd import EngineCoach, OpenAICoach, ScriptedCoach
+        from megatron_mimesis.rl.agent.csd import EngineCoach, OpenAICoach, ScriptedCoach
 
         c = self.config
         if c.coach == "scripted":
@@ -129,7 +129,7 @@ class AgentRL(RLLoop):
     # ------------------------------------------------------------------ one step
     def _score(self, episodes) -> Counter:
         """Env scores on the model-parallel leader (an evaluator may call a model), shared with the group."""
-        from megatron_mimesis.rl.agent_episodes import score_episodes
+        from megatron_mimesis.rl.agent.episodes import score_episodes
 
         def score():
             failures = score_episodes(episodes)
@@ -142,8 +142,8 @@ class AgentRL(RLLoop):
 
     def _teacher(self, rows, step: int) -> tuple[list[list[float]], dict]:
         """Teacher log-probs per row (``NO_GATE`` where the coach gave no note) and the CSD counters."""
-        from megatron_mimesis.rl.csd import NO_GATE, coach_prompt, placebo_corrected, teacher_context
-        from megatron_mimesis.rl.scoring import score_rows
+        from megatron_mimesis.rl.agent.csd import NO_GATE, coach_prompt, placebo_corrected, teacher_context
+        from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
         prompts = [coach_prompt(episode, t, self.coach_template) for _, episode, t in rows]
@@ -187,8 +187,8 @@ class AgentRL(RLLoop):
                 }) + "\n")
 
     def step(self, step: int) -> dict:
-        from megatron_mimesis.rl.agent_episodes import agent_rows
-        from megatron_mimesis.rl.csd import gate_statistics
+        from megatron_mimesis.rl.agent.csd import gate_statistics
+        from megatron_mimesis.rl.agent.episodes import agent_rows
 
         c = self.config
         start = time.perf_counter()

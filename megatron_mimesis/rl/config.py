@@ -1,9 +1,10 @@
-"""RL configurations: the trainer's model / parallel / optimizer / checkpoint options plus the RL ones.
+"""The RL configuration both stages share: the trainer's model / parallel / optimizer / checkpoint options plus
+the RL ones.
 
 ``RLConfig`` holds what both RL stages share (the rollout engine, sampling, the clipped policy update), so each
-default lives once; ``SimulatorRLConfig`` (FoldGRPO, stage I) and ``AgentRLConfig`` (GRPO + CSD, stage II, in
-``agent_config.py``) add their own. Defaults are the paper's; the CPU demos and tests override them in YAML.
-Validated up front like the trainer's, with one-line reasons.
+default lives once; ``SimulatorRLConfig`` (FoldGRPO, stage I, ``simulator/config.py``) and ``AgentRLConfig``
+(GRPO + CSD, stage II, ``agent/config.py``) add their own. Defaults are the paper's; the CPU demos and tests
+override them in YAML. Validated up front like the trainer's, with one-line reasons.
 """
 
 from dataclasses import dataclass, field
@@ -12,7 +13,6 @@ from typing import ClassVar
 
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
-COUNTERPARTS = ("openai", "scripted")
 ENGINES = ("local", "vllm")
 
 
@@ -27,7 +27,7 @@ class RLConfig(TrainConfig):
     # rollouts: "local" decodes with the training model itself (CPU, tests); "vllm" runs vLLM colocated in the
     # training processes, asleep while the trainer steps, its weights synced after every update
     engine: str = "local"
-    engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/vllm_engine.py)
+    engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/engines/vllm.py)
     generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
     rollouts_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 512
@@ -66,51 +66,9 @@ class RLConfig(TrainConfig):
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
         if self.engine == "vllm":
-            from megatron_mimesis.rl.vllm_engine import check_vllm_config
+            from megatron_mimesis.rl.engines.vllm import check_vllm_config
 
             check_vllm_config(self)
         if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
             raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
                               f"{self.kl_reference!r}")
-
-
-@dataclass
-class SimulatorRLConfig(RLConfig):
-    stage: str = "rl_simulator"
-    train_iters: int = 500
-    log_dir: str = "runs/rl-simulator"
-    # prompts and rewards
-    prompts: list[str] = field(default_factory=list)  # JSONL files of megatron_mimesis.rl.prompts records
-    domain_rewards: dict = field(default_factory=dict)  # domain -> registered reward name
-    reward_options: dict = field(default_factory=dict)  # reward name -> its factory's options (e.g. the judge)
-    domain_weights: dict | None = None  # domain -> sampling weight (default: by prompt count)
-    prompts_per_step: int = 64
-    max_turns: int = 4
-    thinking: bool = True
-    stop_marker: str = "<END>"
-    counterpart: str = "openai"
-    # OpenAICounterpart's keyword arguments, or for "scripted" {"reply": text}: a fixed answer (toy domains, tests)
-    counterpart_options: dict = field(default_factory=dict)
-
-    RANGES: ClassVar[dict[str, Range]] = {**RLConfig.RANGES, "prompts_per_step": AT_LEAST_1, "max_turns": AT_LEAST_1}
-
-    @property
-    def rollouts_per_step(self) -> int:
-        return self.prompts_per_step * self.rollouts_per_prompt
-
-    def validate(self, world_size: int) -> None:
-        self.validate_rl(world_size)
-        if not self.prompts:
-            raise ConfigError("prompts: no prompt files given")
-        for path in self.prompts:
-            if not Path(path).exists():
-                raise ConfigError(f"prompts: {path} does not exist")
-        if not self.domain_rewards:
-            raise ConfigError("domain_rewards: map each prompt domain to a reward name")
-        if self.counterpart not in COUNTERPARTS:
-            raise ConfigError(f"counterpart must be one of {COUNTERPARTS}, not {self.counterpart!r}")
-        if self.counterpart == "scripted" and not isinstance(self.counterpart_options.get("reply"), str):
-            raise ConfigError("counterpart=scripted needs counterpart_options {\"reply\": \"...\"}")
-        dp = self.data_parallel_size(world_size)
-        if self.prompts_per_step % dp:
-            raise ConfigError(f"prompts_per_step {self.prompts_per_step} is not divisible by data-parallel size {dp}")

@@ -35,7 +35,7 @@ class RLLoop:
         from megatron.core import parallel_state
         from transformers import AutoTokenizer
 
-        from megatron_mimesis.rl.engines import build_rollout_engine
+        from megatron_mimesis.rl.engines.factory import build_rollout_engine
         from megatron_mimesis.training.train import Trainer
 
         self.config = config
@@ -54,7 +54,7 @@ class RLLoop:
         checkpoint), frozen: the KL reference, or a local user simulator."""
         from pathlib import Path
 
-        from megatron_mimesis.training.checkpointing import load_model_weights
+        from megatron_mimesis.checkpoint.trainer_state import load_model_weights
 
         chunks = self.trainer.build_chunks()
         if (Path(source) / "config.json").exists():
@@ -67,7 +67,7 @@ class RLLoop:
         return chunks
 
     def loss_config(self, **extra):
-        from megatron_mimesis.rl.policy_step import PolicyLossConfig
+        from megatron_mimesis.rl.update.policy_step import PolicyLossConfig
 
         c = self.config
         return PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c,
@@ -82,8 +82,8 @@ class RLLoop:
         """The rows with the trainer's own old log-probs: as sampled when the engine is the training model,
         recomputed (and the engine's mismatch measured, on this rank's rows) when another engine sampled them.
         Every consumer of the student's log-probs (the update, the CSD gate, the placebo correction) reads these."""
-        from megatron_mimesis.rl.engines import samples_with_training_model
-        from megatron_mimesis.rl.scoring import recompute_old_logprobs
+        from megatron_mimesis.rl.engines.factory import samples_with_training_model
+        from megatron_mimesis.rl.update.scoring import recompute_old_logprobs
 
         if samples_with_training_model(self.engine, self.trainer):
             return rows, {}
@@ -96,9 +96,9 @@ class RLLoop:
         ``rows`` come from :meth:`on_policy_rows`; with a KL term each rank first scores its own rows under the
         reference. Returns the update's record and all ranks' summaries."""
         from megatron_mimesis.kernels import foldgrpo_advantages
-        from megatron_mimesis.rl.engines import refresh_engine
-        from megatron_mimesis.rl.policy_step import policy_update
-        from megatron_mimesis.rl.scoring import score_rows
+        from megatron_mimesis.rl.engines.factory import refresh_engine
+        from megatron_mimesis.rl.update.policy_step import policy_update
+        from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
         ref = None
@@ -138,8 +138,8 @@ class RLLoop:
         return record, summaries
 
     def run(self) -> int:
-        from megatron_mimesis.rl.engines import refresh_engine
-        from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
+        from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
+        from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
         from megatron_mimesis.training.train import save_and_maybe_stop, save_final

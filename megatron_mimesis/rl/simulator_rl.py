@@ -9,7 +9,7 @@ gather the rows of all data-parallel ranks; compute advantages over *unique roll
 (``foldgrpo_advantages``), dropping groups with fewer than ``min_valid_rollouts`` scored rollouts; and take
 one optimizer step with the fused GRPO loss on the last stage's hidden states. Old log-probs are the training
 model's before the update: the local engine's own (it samples with that model), recomputed by the trainer
-when vLLM sampled (``scoring.recompute_old_logprobs``, which logs the engine/trainer mismatch).
+when vLLM sampled (``update/scoring.recompute_old_logprobs``, which logs the engine/trainer mismatch).
 
 What the two RL stages share (the trainer, the engine, the run, the update) is in ``loop.py``.
 """
@@ -18,8 +18,8 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from megatron_mimesis.rl.config import SimulatorRLConfig
 from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, rl_main, std
+from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import ConfigError
 
 
@@ -36,9 +36,9 @@ class SimulatorRL(RLLoop):
 
     def __init__(self, config: SimulatorRLConfig):
         from megatron_mimesis.rl.chat import ChatRenderer
-        from megatron_mimesis.rl.episodes import EpisodeRunner
-        from megatron_mimesis.rl.prompts import DomainSampler, load_prompts
         from megatron_mimesis.rl.rewards import rewards_for
+        from megatron_mimesis.rl.simulator.episodes import EpisodeRunner
+        from megatron_mimesis.rl.simulator.prompts import DomainSampler, load_prompts
         from megatron_mimesis.rl.types import SamplingParams
 
         super().__init__(config)
@@ -57,7 +57,7 @@ class SimulatorRL(RLLoop):
         )
 
     def _counterpart(self):
-        from megatron_mimesis.rl.counterparts import OpenAICounterpart, ScriptedCounterpart
+        from megatron_mimesis.rl.simulator.counterparts import OpenAICounterpart, ScriptedCounterpart
 
         options = self.config.counterpart_options
         if self.config.counterpart == "scripted":
@@ -96,7 +96,7 @@ class SimulatorRL(RLLoop):
         return episodes, {p.id: p for p in mine}
 
     def step(self, step: int) -> dict:
-        from megatron_mimesis.rl.episodes import fold_rows
+        from megatron_mimesis.rl.simulator.episodes import fold_rows
 
         start = time.perf_counter()
         episodes, prompts_by_id = self._rollouts(step)

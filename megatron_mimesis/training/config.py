@@ -254,7 +254,7 @@ class TrainConfig:
 
     def _check_resume(self) -> None:
         """``load`` points at a checkpoint; a full resume must keep the schedule it was saved in (``RESUME_FIXED``)."""
-        from megatron_mimesis.models.dist_ckpt_reader import RUN_CONFIG, CheckpointError, newest_complete
+        from megatron_mimesis.checkpoint.reader import RUN_CONFIG, CheckpointError, newest_complete
 
         try:
             path, _ = newest_complete(self.load)

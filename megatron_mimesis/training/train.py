@@ -56,7 +56,7 @@ def check_data(config: TrainConfig) -> dict:
 
 def check_tokenizer_matches_checkpoint(load: str, data_path: str, tokenizer: dict) -> None:
     """The tokenizer sha256 the data manifest records against the one the checkpoint's run recorded."""
-    from megatron_mimesis.models.dist_ckpt_reader import RUN_CONFIG, CheckpointError, newest_complete
+    from megatron_mimesis.checkpoint.reader import RUN_CONFIG, CheckpointError, newest_complete
 
     try:
         path, _ = newest_complete(load)
@@ -257,7 +257,7 @@ class Trainer:
     def restore(self, fresh: dict) -> dict:
         """Where a run starts: ``load`` + ``finetune`` takes the weights only (and ``fresh`` progress), ``load``
         alone resumes everything the checkpoint saved, otherwise ``fresh``."""
-        from megatron_mimesis.training.checkpointing import load_checkpoint, load_model_weights
+        from megatron_mimesis.checkpoint.trainer_state import load_checkpoint, load_model_weights
 
         c = self.config
         if c.load and c.finetune:
@@ -271,7 +271,7 @@ class Trainer:
     def run(self, tokenizer_sha256: str) -> int:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
-        from megatron_mimesis.training.checkpointing import current_layout, save_checkpoint
+        from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
         from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_to_completion(run) -> int:
     """Run a loop on every rank and close the process groups; a configuration or checkpoint problem that only
     shows once the run is set up (a checkpoint of another model, say) exits 2 with its one-line reason."""
-    from megatron_mimesis.models.dist_ckpt_reader import CheckpointError
+    from megatron_mimesis.checkpoint.reader import CheckpointError
 
     try:
         status = run()

@@ -194,8 +194,8 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
     assert (config["engine"], config["train_iters"], config["lr"], config["lr_decay_style"]) == ("vllm", 500, 1e-6,
                                                                                                 "constant")
     assert config["load"] == str(checkpoint) and config["finetune"]
-    from megatron_mimesis.rl.config import SimulatorRLConfig
-    from megatron_mimesis.rl.vllm_engine import check_vllm_config
+    from megatron_mimesis.rl.engines.vllm import check_vllm_config
+    from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 
     check_vllm_config(SimulatorRLConfig(**config))  # the layout the vLLM engine accepts
 

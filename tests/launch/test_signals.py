@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from megatron_mimesis.models.ckpt_integrity import verify_files
+from megatron_mimesis.checkpoint.integrity import verify_files
 from tests.launch.local_run import LocalRun
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from megatron_mimesis.rl.counterparts import CounterpartReply
+from megatron_mimesis.rl.simulator.counterparts import CounterpartReply
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")

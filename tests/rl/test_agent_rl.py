@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_mimesis.rl.agent_config import AgentRLConfig
+from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.training.config import ConfigError
 from tests.training.conftest import read_metrics, run_trainer
 

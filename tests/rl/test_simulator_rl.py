@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_mimesis.rl.config import SimulatorRLConfig
+from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import ConfigError
 from tests.training.conftest import read_metrics, run_trainer
 

@@ -64,9 +64,9 @@ def test_padded_model_in_parallel_layouts_equals_its_transformers_twin(hf_twin, 
 def test_rl_scoring_and_local_engine_see_the_real_vocabulary_only(hf_twin):
     """Teacher scoring (fused kernel) and the local engine's sampling log-probs equal transformers' log_softmax
     over the 1000 real tokens (the 24 padding logits would shift every log-prob by about 2e-2)."""
-    from megatron_mimesis.rl.local_engine import LocalEngine
-    from megatron_mimesis.rl.scoring import score_rows
+    from megatron_mimesis.rl.engines.local import LocalEngine
     from megatron_mimesis.rl.types import SamplingParams
+    from megatron_mimesis.rl.update.scoring import score_rows
     from tests.models.harness import init_single_process_megatron
 
     state = hf_twin[0]

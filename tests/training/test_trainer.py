@@ -120,8 +120,8 @@ def test_imported_checkpoint_trains_and_exports_to_transformers(tiny_dataset, ti
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
 
+    from megatron_mimesis.checkpoint.conversion import export_to_hf, import_from_hf
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
-    from megatron_mimesis.models.conversion import export_to_hf, import_from_hf
     from megatron_mimesis.models.provider import ModelProvider
     from megatron_mimesis.training.config import TrainConfig
     from tests.models.harness import init_single_process_megatron

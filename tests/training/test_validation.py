@@ -7,8 +7,8 @@ import typing
 
 import pytest
 
-from megatron_mimesis.rl.agent_config import AgentRLConfig
-from megatron_mimesis.rl.config import SimulatorRLConfig
+from megatron_mimesis.rl.agent.config import AgentRLConfig
+from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
 from megatron_mimesis.training.flops import parameter_count
 from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main

@@ -2,7 +2,7 @@
 
 An ``EnvSuite`` lists task ids and makes one ``AgentEnv`` per episode (an env holds that episode's state, e.g.
 tau2's database). The agent RL runner owns the conversation; the env only answers tool calls and, once the
-episode has ended, scores it. The user is never the env's: it is the frozen simulator (``rl/user_models.py``),
+episode has ended, scores it. The user is never the env's: it is the frozen simulator (``rl/agent/user_models.py``),
 which gets ``EnvTask.user_instructions`` as its private scenario.
 
 Messages are plain dicts, the full record of an episode in order:

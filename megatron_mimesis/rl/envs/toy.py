@@ -10,8 +10,8 @@ hindsight a coach's note can turn into a dense teacher signal.
 import random
 import re
 
+from megatron_mimesis.rl.agent.user_models import ScriptedUserModel
 from megatron_mimesis.rl.envs.base import EnvScore, EnvTask, ToolCall
-from megatron_mimesis.rl.user_models import ScriptedUserModel
 
 ITEMS = ("alpha", "bravo", "delta", "echo", "kilo", "lima", "oscar", "tango")
 LOOKUP_TOOL = {

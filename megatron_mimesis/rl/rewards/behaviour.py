@@ -12,9 +12,9 @@ counted), never a guessed score, so a drifting judge shows up in the counters in
 import json
 import re
 
-from megatron_mimesis.rl.prompts import PromptRecord
 from megatron_mimesis.rl.rewards.judge import JudgeClient
 from megatron_mimesis.rl.rewards.registry import RewardResult, ThreadSafeCounters, register
+from megatron_mimesis.rl.simulator.prompts import PromptRecord
 from megatron_mimesis.rl.types import Episode
 
 WEIGHTS = {"e": 2.0, "p": 1.5, "n": 1.0, "c": 0.5}

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megatron_mimesis.rl.prompts import PromptRecord
+from megatron_mimesis.rl.simulator.prompts import PromptRecord
 from megatron_mimesis.rl.types import Episode
 
 

@@ -10,8 +10,8 @@ import re
 import unicodedata
 from abc import ABC, abstractmethod
 
-from megatron_mimesis.rl.prompts import PromptRecord
 from megatron_mimesis.rl.rewards.registry import RewardResult, register
+from megatron_mimesis.rl.simulator.prompts import PromptRecord
 from megatron_mimesis.rl.types import Episode
 
 _LETTERS = "ABCDE"

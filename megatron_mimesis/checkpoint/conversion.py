@@ -1,0 +1,187 @@
+"""Megatron dist checkpoints <-> Hugging Face Qwen3.5 directories, through the one parameter mapping.
+
+Export streams: one megatron tensor is read from the dist checkpoint (any TP/PP that wrote it, no process
+group), turned into its HF tensors and appended to a size-bounded safetensors shard, so peak memory is
+about one layer plus one output shard. With the original ``Qwen3_5ForConditionalGeneration`` directory as
+reference, the output keeps its architecture, config and key names (``model.language_model.*``) and the
+vision tower and MTP weights are copied unchanged; without it, the output is a text-only
+``Qwen3_5ForCausalLM``. Import builds the megatron model (in ``tp * pp`` gloo processes, each holding its
+shard) from the HF weights read lazily, and saves a weights-only dist checkpoint that the trainer loads at
+any layout with ``--load DIR --finetune``. Both write into a temporary directory renamed at the end.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_mimesis.checkpoint.integrity import record_files
+from megatron_mimesis.checkpoint.reader import RUN_CONFIG, TOKENIZER_SUBDIR, DistCheckpointReader
+from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
+from megatron_mimesis.models.mapping import qwen35_mapping
+from megatron_mimesis.models.presets import Qwen35Preset
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "tokenizer.model")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ConversionError(RuntimeError):
+    pass
+
+
+def _fresh_output(out: Path, overwrite: bool) -> Path:
+    if out.exists() and not overwrite:
+        raise ConversionError(f"{out}: exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _reference_config(reference: Path, preset: Qwen35Preset) -> dict:
+    path = reference / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{path}: missing; --hf-reference must be an HF Qwen3.5 checkpoint directory")
+    config = json.loads(path.read_text())
+    if config.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
+        raise ConversionError(f"{path}: model_type {config.get('model_type')!r} is not a Qwen3.5 architecture")
+    from transformers import AutoConfig
+
+    ref = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(reference))
+    fields = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+              "num_query_groups", "head_dim", "linear_num_key_heads", "linear_num_value_heads")
+    diff = [f"{f}: reference {getattr(ref, f)} vs checkpoint {getattr(preset, f)}"
+            for f in fields if getattr(ref, f) != getattr(preset, f)]
+    if diff:
+        raise ConversionError(f"{path}: does not match the checkpoint's model ({'; '.join(diff)})")
+    return config
+
+
+def _tokenizer_source(reader: DistCheckpointReader, reference: Path | None, tokenizer: str | None) -> Path | None:
+    """--tokenizer, else the reference's, else the copy the trainer saved with the checkpoint."""
+    if tokenizer:
+        return Path(tokenizer)
+    if reference is not None:
+        return reference
+    saved = reader.dir / TOKENIZER_SUBDIR
+    return saved if saved.exists() else None
+
+
+def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | None = None,
+                 hf_reference: str | Path | None = None, tokenizer: str | None = None, dtype: str = "bf16",
+                 max_shard_bytes: int = 2 * 2**30, overwrite: bool = False, progress: bool = True) -> Path:
+    reader = DistCheckpointReader(checkpoint, iteration)
+    preset, out = reader.preset, Path(out)
+    reference = Path(hf_reference) if hf_reference else None
+    ref_config = _reference_config(reference, preset) if reference else None
+    table = qwen35_mapping(preset, reader.padded_vocab_size)
+    missing = [m.megatron for m in table if not reader.has(m.megatron)]
+    if missing:
+        raise ConversionError(f"{reader.dir}: checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
+    tmp = _fresh_output(out, overwrite)
+    try:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        cast = DTYPES[dtype]
+        for entry in tqdm(table, desc="export", unit="tensor", disable=not progress):
+            for name, tensor in entry.to_hf([reader.tensor(entry.megatron)]).items():
+                if reference is not None and name.startswith(TEXT_PREFIX):
+                    name = CONDITIONAL_TEXT_PREFIX + name[len(TEXT_PREFIX):]
+                writer.add(name, tensor.to(cast))
+        if reference is not None:
+            ref_state = LazyHFState(reference)
+            for name in tqdm(sorted(ref_state.other), desc="copy vision/MTP", disable=not progress):
+                writer.add(name, ref_state.read_other(name))
+        writer.close()
+        _write_configs(tmp, preset, ref_config, reference, dtype)
+        source = _tokenizer_source(reader, reference, tokenizer)
+        if source is None:
+            raise ConversionError(f"{reader.dir}: no tokenizer saved with the checkpoint; pass --tokenizer DIR")
+        _copy_tokenizer(source, tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _copy_tokenizer(source: Path, dest: Path) -> None:
+    found = [name for name in TOKENIZER_FILES if (source / name).exists()]
+    if not found:
+        raise ConversionError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    dest.mkdir(exist_ok=True)
+    for name in found:
+        shutil.copy2(source / name, dest / name)
+
+
+def _write_configs(out: Path, preset: Qwen35Preset, ref_config: dict | None, reference: Path | None,
+                   dtype: str) -> None:
+    if ref_config is not None:
+        (out / "config.json").write_text(json.dumps(ref_config, indent=2))
+        if (reference / "generation_config.json").exists():
+            shutil.copy2(reference / "generation_config.json", out / "generation_config.json")
+        return
+    config = preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype=str(DTYPES[dtype]).removeprefix("torch."))
+    config.save_pretrained(out)
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def _import_worker(rank, world_size, hf_dir: str, out_tmp: str, tp: int, pp: int, dtype: str):
+    from megatron.core import parallel_state
+
+    from megatron_mimesis.checkpoint.writer import dist_save
+    from megatron_mimesis.compat import enable_cpu_compat
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.hf_weights import load_hf_weights
+    from megatron_mimesis.models.provider import ModelProvider
+
+    enable_cpu_compat()
+    parallel_state.initialize_model_parallel(tp, pp)
+    from transformers import AutoConfig
+
+    preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir), name=Path(hf_dir).name)
+    config = transformer_config(preset, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+                                params_dtype=DTYPES[dtype], perform_initialization=False)
+    provider = ModelProvider(preset, config)
+    model = provider()
+    load_hf_weights(model, LazyHFState(hf_dir), preset, provider.padded_vocab_size)
+    dist_save({"model": model.sharded_state_dict()}, out_tmp)
+    if rank == 0:
+        run_config = {"preset": vars(preset), "padded_vocab_size": provider.padded_vocab_size, "model_only": True,
+                      "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                 "data_parallel_size": 1},
+                      "source": str(hf_dir)}
+        (Path(out_tmp) / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True))
+
+
+def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "bf16",
+                   overwrite: bool = False) -> Path:
+    """HF directory -> ``out/iter_0000000`` (weights only) + ``out/latest``; loadable at any TP/PP."""
+    from megatron_mimesis.gloo import run_gloo_processes
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    LazyHFState(hf_dir)  # fail early, naming the directory, when there are no weights
+    tmp = _fresh_output(out, overwrite)
+    try:
+        iter_dir = tmp / "iter_0000000"
+        iter_dir.mkdir()
+        run_gloo_processes(_import_worker, tp * pp, str(hf_dir), str(iter_dir), tp, pp, dtype)
+        if any((hf_dir / name).exists() for name in TOKENIZER_FILES):
+            _copy_tokenizer(hf_dir, iter_dir / TOKENIZER_SUBDIR)
+        record_files(iter_dir)
+        (tmp / "latest").write_text("0\n")
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,157 @@
+"""Reading the model tensors of a megatron torch_dist checkpoint with no process group and no model.
+
+A megatron dist checkpoint stores every parameter as one *global* tensor, whatever the TP/PP layout that
+wrote it, under the module path with global layer numbers. Those global tensors are the TP=1 megatron
+layout, except two fused tensors of the Gated DeltaNet that megatron saves as named parts
+(``in_proj.weight.query|key|value|z|beta|alpha`` and ``conv1d.weight.query|key|value``, see megatron-core's
+``_GDNBase.sharded_state_dict``); this reader concatenates those back. Tensors are loaded one at a time, so
+memory stays at the size of the tensor asked for.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_mimesis.checkpoint.integrity import (
+    FILES,
+    METADATA,
+    CheckpointError,
+    UnsafeCheckpointError,
+    check_checkpoint,
+    install_restricted_reader,
+)
+from megatron_mimesis.models.presets import Qwen35Preset
+
+install_restricted_reader()  # every reader of dist checkpoints imports this module: none reads a raw pickle
+
+# megatron-core's split names, in the order its TP=1 fused tensors concatenate them
+FUSED_PARTS = {
+    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.conv1d.weight": ("query", "key", "value"),
+}
+RUN_CONFIG = "run_config.json"
+TOKENIZER_SUBDIR = "tokenizer"  # the trainer's copy of the tokenizer it trained with
+
+
+LATEST = "latest"
+OLD_SUFFIX = ".old"  # a checkpoint being replaced by a re-save of its iteration (writer.publish)
+_ITER_NAME = re.compile(r"iter_(\d{7})(\.old)?")
+
+
+def checkpoint_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_latest(root: str | Path) -> int:
+    """The iteration ``latest`` names; a clear error when it is missing or corrupt."""
+    latest = Path(root) / LATEST
+    if not latest.exists():
+        raise CheckpointError(f"{latest}: no checkpoint here (missing 'latest')")
+    text = latest.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{latest}: corrupt, expected an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    """The complete checkpoint of ``iteration``: ``iter_N``, or ``iter_N.old`` while a re-save of N is being
+    published; a one-line error naming what is missing or damaged otherwise."""
+    final = checkpoint_dir(root, iteration)
+    candidates = [d for d in (final, final.with_name(final.name + OLD_SUFFIX)) if d.exists()]
+    if not candidates:
+        raise CheckpointError(f"{final}: missing")
+    first_problem = None
+    for directory in candidates:
+        try:
+            check_checkpoint(directory)
+            return directory
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            first_problem = first_problem or exc
+    raise first_problem
+
+
+def newest_complete(root: str | Path) -> tuple[Path, list[str]]:
+    """What ``--load root`` resumes from: the checkpoint ``latest`` names when it is complete, else the newest
+    complete one; with the reasons for each checkpoint passed over (empty when ``latest``'s was taken). A crafted
+    checkpoint is refused, not passed over."""
+    latest = read_latest(root)
+    found = {int(m.group(1)) for d in Path(root).iterdir() if (m := _ITER_NAME.fullmatch(d.name))} - {latest}
+    skipped = []
+    for iteration in [latest, *sorted(found, reverse=True)]:
+        try:
+            return iteration_dir(root, iteration), skipped
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+    raise CheckpointError(f"{root}: no complete checkpoint ({'; '.join(skipped)})")
+
+
+def resolve_checkpoint_dir(path: str | Path, iteration: int | None = None) -> Path:
+    """A save root (with ``latest``) or one ``iter_N`` directory -> the verified ``iter_N`` directory to read."""
+    path = Path(path)
+    if (path / METADATA).exists() or (path / FILES).exists():
+        check_checkpoint(path)
+        return path
+    return iteration_dir(path, read_latest(path) if iteration is None else iteration)
+
+
+def checkpoint_iteration(directory: Path) -> int:
+    match = _ITER_NAME.fullmatch(directory.name)
+    if match is None:
+        raise CheckpointError(f"{directory}: not an iter_NNNNNNN checkpoint directory")
+    return int(match.group(1))
+
+
+class DistCheckpointReader:
+    def __init__(self, path: str | Path, iteration: int | None = None):
+        self.dir = resolve_checkpoint_dir(path, iteration)
+        config_path = self.dir / RUN_CONFIG
+        if not config_path.exists():
+            raise CheckpointError(f"{config_path}: missing (the model config is read from the checkpoint)")
+        self.run_config = json.loads(config_path.read_text())
+        self.preset = Qwen35Preset(**self.run_config["preset"])
+        self.padded_vocab_size = int(self.run_config["padded_vocab_size"])
+        self.iteration = checkpoint_iteration(self.dir)
+        metadata = FileSystemReader(str(self.dir)).read_metadata()
+        self._stored = {
+            k: v for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.")
+        }
+
+    def stored_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every stored model tensor (parts unmerged): name -> (shape, dtype)."""
+        return {k: (tuple(v.size), v.properties.dtype) for k, v in self._stored.items()}
+
+    def _parts(self, name: str) -> list[str] | None:
+        for suffix, parts in FUSED_PARTS.items():
+            if name.endswith(suffix):
+                return [f"{name}.{p}" for p in parts]
+        return None
+
+    def has(self, name: str) -> bool:
+        parts = self._parts(name)
+        return name in self._stored or (parts is not None and all(p in self._stored for p in parts))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The full TP=1 tensor of one megatron parameter."""
+        if name in self._stored:
+            return self._load([name])[name]
+        parts = self._parts(name)
+        if parts is None or not all(p in self._stored for p in parts):
+            raise CheckpointError(f"{self.dir}: no tensor {name!r} in the checkpoint")
+        loaded = self._load(parts)
+        return torch.cat([loaded[p] for p in parts], dim=0)
+
+    def _load(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        state = {k: torch.empty(self._stored[k].size, dtype=self._stored[k].properties.dtype) for k in keys}
+        load(state, storage_reader=FileSystemReader(str(self.dir)),
+             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        return state

@@ -1,0 +1,227 @@
+"""Distributed checkpoints (megatron-core ``dist_checkpointing``, torch_dist format) that resume exactly.
+
+Layout: ``SAVE/iter_0000100/`` (a dist checkpoint plus ``run_config.json`` and ``files.json``, the size and
+checksum of every file) and ``SAVE/latest`` holding the iteration, written atomically by ``writer.py``, so a run
+killed at any moment leaves ``latest`` on a complete checkpoint. ``--load`` verifies it first
+and, when it is missing or damaged anyway (a disk that lost a shard), resumes from the newest complete one and
+says what it skipped. The distributed optimizer state is saved ``fully_reshardable``, so a checkpoint reloads at
+another TP/PP/DP layout.
+
+One repair lives here. megatron's distributed optimizer, when it falls back to ``torch.optim.Adam`` (no
+Transformer Engine / Apex: every CPU run, and GPU installs without them), cannot checkpoint correctly:
+``state_dict()`` asserts on a fresh optimizer (no Adam state yet); loading the parameter state raises
+``KeyError: 'step'`` (Adam keeps a per-parameter ``step`` tensor that the checkpoint's parameter state
+deliberately omits); and ``load_state_dict`` gives every parameter the *same* ``step`` tensor, which Adam
+then increments once per parameter per step, so the bias correction after a resume is silently wrong.
+:func:`_prepare_adam_for_load` and :func:`_unshare_adam_steps` fix all three around megatron's calls.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_mimesis.checkpoint.integrity import record_files
+from megatron_mimesis.checkpoint.reader import (
+    TOKENIZER_SUBDIR,
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_iteration,
+    newest_complete,
+)
+from megatron_mimesis.checkpoint.writer import dist_save, publish
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _unwrap(chunk):
+    """The GPTModel inside megatron's DDP wrapper: checkpoint keys carry no wrapper prefix."""
+    return getattr(chunk, "module", chunk)
+
+
+def _inner_torch_optimizers(optimizer):
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [opt.optimizer for opt in chained if isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer)]
+
+
+def _prepare_adam_for_load(optimizer) -> None:
+    """Give torch Adam an (empty) state to be loaded into, and let megatron skip the per-parameter ``step``."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is not None and not getattr(setter, "_skips_step", False):
+            def set_states(model_param, tensors, _set=setter):
+                _set(model_param, {"step": None, **tensors})  # non-tensor entries are skipped by megatron
+
+            set_states._skips_step = True
+            opt._set_main_param_and_optimizer_states = set_states
+    for inner in _inner_torch_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p not in inner.state or not inner.state[p]:
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    for inner in _inner_torch_optimizers(optimizer):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+
+
+def _rng_state() -> ShardedObject:
+    """This rank's generators, one object per (PP, TP, DP) rank: resume continues every random stream."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp, dp = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    shape = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+
+
+def _restore_rng(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_state(model_chunks) -> dict:
+    return {("model" if len(model_chunks) == 1 else f"model{i}"): _unwrap(chunk).sharded_state_dict()
+            for i, chunk in enumerate(model_chunks)}
+
+
+def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, is_loading: bool, rng: bool) -> dict:
+    state = _model_state(model_chunks)
+    model_sd = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
+    if is_loading:
+        _prepare_adam_for_load(optimizer)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    state["progress"] = progress
+    if rng:
+        state["rng_state"] = _rng_state()
+    return state
+
+
+def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler, progress: dict,
+                    run_config: dict, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write ``root/iter_N`` atomically and point ``latest`` at it; collective over all ranks.
+
+    The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a
+    complete HF directory even after the data cache it came from has changed.
+    """
+    root = Path(root)
+    final = checkpoint_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
+    dist_save(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
+        if tokenizer_dir is not None:
+            shutil.copytree(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
+        record_files(tmp)
+        publish(tmp, root, iteration)
+    dist.barrier()
+    return final
+
+
+def _saved_run_config(path: Path, preset: dict) -> dict:
+    """The checkpoint's run_config.json, refusing a checkpoint of another model with the differing fields named."""
+    config_path = path / "run_config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path}: missing; not a checkpoint written by this project")
+    saved = json.loads(config_path.read_text())
+    diff = [f"{k}: checkpoint {saved['preset'].get(k)!r} vs config {v!r}" for k, v in preset.items()
+            if k not in ("name", "max_position_embeddings") and saved["preset"].get(k) != v]
+    if diff:
+        raise CheckpointError(f"{path}: checkpoint is of another model ({'; '.join(diff)})")
+    return saved
+
+
+def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset: dict, *,
+                    restore_rng: bool = True) -> dict:
+    """Restore model, optimizer, scheduler (and RNG, at the same layout) from ``root/latest``; returns ``progress``.
+
+    RNG streams are per rank, so they are restored only when the layout is the one that saved them.
+    """
+    path = _resumable(root)
+    saved = _saved_run_config(path, preset)
+    if saved.get("model_only"):
+        raise CheckpointError(f"{path}: holds weights only (an imported checkpoint); start from it with --finetune")
+    same_layout = saved.get("layout") == current_layout()
+    state = _sharded_state_dict(model_chunks, optimizer, scheduler, {}, is_loading=True,
+                                rng=restore_rng and same_layout)
+    loaded = dist_checkpointing.load(state, str(path))
+    _load_model(model_chunks, loaded)
+    try:
+        optimizer.load_state_dict(loaded["optimizer"])
+    except KeyError as exc:  # megatron keys parameter groups by their hyperparameters
+        raise CheckpointError(f"{path}: optimizer parameter groups differ from the checkpoint's ({exc}): resume "
+                              f"with the optimizer settings it was saved with, or start from it with --finetune") from None
+    _unshare_adam_steps(optimizer)
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if "rng_state" in loaded:
+        _restore_rng(loaded["rng_state"])
+    return loaded["progress"]
+
+
+def load_model_weights(root: str | Path, model_chunks, preset: dict) -> int:
+    """Only the weights of ``root/latest`` (Megatron's --finetune: a new stage starts at iteration 0 with a fresh
+    optimizer, e.g. SFT from the mid-training checkpoint, at any layout); returns the source iteration."""
+    path = _resumable(root)
+    _saved_run_config(path, preset)
+    loaded = dist_checkpointing.load(_model_state(model_chunks), str(path))
+    _load_model(model_chunks, loaded)
+    return checkpoint_iteration(path)
+
+
+def _resumable(root: str | Path) -> Path:
+    """The checkpoint ``--load`` reads; one loud line (rank 0) when it is not the one ``latest`` names."""
+    path, skipped = newest_complete(root)
+    if skipped and dist.get_rank() == 0:
+        print(f"warning: resuming from {path}, the newest complete checkpoint; skipped: {'; '.join(skipped)}",
+              file=sys.stderr, flush=True)
+    return path
+
+
+def _load_model(model_chunks, loaded) -> None:
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
+
+
+def current_layout() -> dict:
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }

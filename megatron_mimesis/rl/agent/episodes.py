@@ -1,0 +1,235 @@
+"""Agent rollouts: the policy plays the agent in an environment task against the frozen user simulator.
+
+Each round makes one batched ``user_model.reply_many`` call for the episodes waiting on the user and one
+batched ``engine.generate`` call for those waiting on the agent. The user always speaks first (after the
+agent's opening greeting, when the task has one). An agent generation is one assistant message: its public
+text goes to the user, its tool calls are run by the episode's env and the results come back to the agent,
+which then moves again; a message without tool calls hands the turn to the user. The episode ends when the
+user writes its stop marker ("user_stop"), after ``max_agent_turns`` agent generations ("max_turns"), or
+when the user model or an endpoint agent fails ("error: ...", not scored and counted by the caller).
+
+Privileged information has one way in. The user's thinking is stored beside the transcript (``user_thinking``),
+never in a message; the coach's notes (``csd.py``) exist only after rollouts; and every agent context is
+checked on the way into the engine (``check_agent_context``): public messages only, no think markers from the
+user, no coach-note header. A violation is a hard error, since a leak would silently train on privileged text.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from megatron_mimesis.kernels import discounted_returns
+from megatron_mimesis.rl.agent.tool_calls import (
+    format_tool_calls,
+    format_tool_responses,
+    parse_tool_calls,
+    tools_system_text,
+)
+from megatron_mimesis.rl.agent.user_models import UserModel
+from megatron_mimesis.rl.chat import ChatRenderer, PrivilegedTextLeak, check_public
+from megatron_mimesis.rl.engines.protocol import RolloutEngine
+from megatron_mimesis.rl.envs.base import AgentEnv, EnvSuite, EnvTask
+from megatron_mimesis.rl.types import SamplingParams, TrainingRow
+
+NOTE_HEADER = "# Coach's note"  # opens a coach's note in a teacher context; never allowed in an agent context
+
+
+@dataclass
+class AgentTurn:
+    message_index: int  # the assistant message this generation became, in ``AgentEpisode.messages``
+    context_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class AgentEpisode:
+    task: EnvTask
+    env: AgentEnv
+    group_id: int
+    rollout_id: int
+    messages: list[dict] = field(default_factory=list)  # the full record (env.score reads it), no system prompt
+    user_thinking: dict[int, str | None] = field(default_factory=dict)  # user message index -> private thinking
+    turns: list[AgentTurn] = field(default_factory=list)
+    termination: str = ""
+    turn_rewards: list[float] | None = None  # one per agent turn once scored; None when unscored
+    score_info: dict = field(default_factory=dict)
+
+    def user_reaction(self, turn: AgentTurn) -> tuple[str | None, str | None]:
+        """The user's next (thinking, utterance) after ``turn`` (None, None when the episode ended first)."""
+        for index in range(turn.message_index + 1, len(self.messages)):
+            if self.messages[index]["role"] == "user":
+                return self.user_thinking.get(index), self.messages[index]["content"]
+        return None, None
+
+
+def agent_system_text(task: EnvTask) -> str:
+    return task.agent_system_prompt + ("\n\n" + tools_system_text(task.tools) if task.tools else "")
+
+
+def agent_view(task: EnvTask, messages: list[dict]) -> list[dict]:
+    """The public messages an agent context is rendered from: tool calls written out in the Qwen3.5 format,
+    consecutive tool results joined into one user turn of ``<tool_response>`` blocks."""
+    view = [{"role": "system", "content": agent_system_text(task)}]
+    pending: list[str] = []
+    for message in messages:
+        if message["role"] == "tool":
+            pending.append(message["content"])
+            continue
+        if pending:
+            view.append({"role": "user", "content": format_tool_responses(pending)})
+            pending = []
+        content = message["content"]
+        if message.get("tool_calls"):
+            content = "\n\n".join(p for p in (content, format_tool_calls(message["tool_calls"])) if p)
+        view.append({"role": message["role"], "content": content})
+    if pending:
+        view.append({"role": "user", "content": format_tool_responses(pending)})
+    return view
+
+
+def user_view(messages: list[dict]) -> list[dict]:
+    """What the user sees: its own utterances and the agent's public text, never tool traffic."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages
+            if m["role"] == "user" or (m["role"] == "assistant" and m["content"])]
+
+
+def check_agent_context(view: list[dict]) -> None:
+    check_public(view)
+    for index, message in enumerate(view):
+        if NOTE_HEADER in message["content"]:
+            raise PrivilegedTextLeak(f"agent context message {index} ({message['role']}) contains a coach's note")
+
+
+class AgentEpisodeRunner:
+    def __init__(self, engine: RolloutEngine, renderer: ChatRenderer, user_model: UserModel,
+                 sampling: SamplingParams, max_agent_turns: int):
+        if max_agent_turns < 1:
+            raise ValueError(f"max_agent_turns must be at least 1, got {max_agent_turns}")
+        self.engine = engine
+        self.renderer = renderer
+        self.user_model = user_model
+        self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
+        self.max_agent_turns = max_agent_turns
+
+    def run(self, suite: EnvSuite, task_ids: list[str], rollouts_per_task: int, step_seed: int) -> list[AgentEpisode]:
+        """``rollouts_per_task`` episodes per task; group_id is the task's index, rollout_id a running index.
+        Round ``r`` (every live episode's agent generates once per round, so r < max_agent_turns) seeds its user
+        call with ``base + 2r`` and its agent call with ``base + 2r + 1``, ``base = step_seed * 2 *
+        max_agent_turns``: reproducible, and for non-negative step seeds never the same seed twice in a run."""
+        episodes = []
+        for group_id, task_id in enumerate(task_ids):
+            for _ in range(rollouts_per_task):
+                env = suite.make(task_id)
+                episode = AgentEpisode(env.task, env, group_id, rollout_id=len(episodes))
+                if env.task.agent_opening:
+                    episode.messages.append({"role": "assistant", "content": env.task.agent_opening})
+                episodes.append(episode)
+        waiting_user = list(range(len(episodes)))
+        waiting_agent: list[int] = []
+        base = step_seed * 2 * self.max_agent_turns
+        rounds = 0
+        while waiting_user or waiting_agent:
+            waiting_agent += self._user_round([episodes[i] for i in waiting_user], waiting_user, base + 2 * rounds)
+            waiting_user = []
+            if waiting_agent:
+                sampling = replace(self.sampling, seed=base + 2 * rounds + 1)
+                waiting_user, waiting_agent = self._agent_round(episodes, waiting_agent, sampling)
+            rounds += 1
+        return episodes
+
+    def _user_round(self, episodes: list[AgentEpisode], indices: list[int], seed: int) -> list[int]:
+        """Ask the user model to answer; return the indices whose agent moves next."""
+        if not episodes:
+            return []
+        replies = self.user_model.reply_many([e.task.user_instructions for e in episodes],
+                                             [user_view(e.messages) for e in episodes], seed=seed)
+        if len(replies) != len(episodes):
+            raise RuntimeError(f"user model returned {len(replies)} replies for {len(episodes)} episodes")
+        going_on = []
+        for index, episode, reply in zip(indices, episodes, replies, strict=True):
+            if reply.error is not None:
+                episode.termination = f"error: user model: {reply.error}"
+                continue
+            if reply.utterance:
+                episode.user_thinking[len(episode.messages)] = reply.thinking
+                episode.messages.append({"role": "user", "content": reply.utterance})
+            if reply.done:
+                episode.termination = "user_stop"
+            else:
+                going_on.append(index)
+        return going_on
+
+    def _agent_round(self, episodes: list[AgentEpisode], indices: list[int], sampling: SamplingParams):
+        views = [agent_view(episodes[i].task, episodes[i].messages) for i in indices]
+        for view in views:
+            check_agent_context(view)
+        contexts = [self.renderer.assistant_prompt(view) for view in views]
+        generations = self.engine.generate(contexts, sampling)
+        if len(generations) != len(indices):
+            raise RuntimeError(f"engine returned {len(generations)} generations for {len(indices)} prompts")
+        to_user, to_agent = [], []
+        for i, context, generation in zip(indices, contexts, generations, strict=True):
+            episode = episodes[i]
+            if generation.finish_reason.startswith("error"):  # an endpoint engine that could not answer
+                episode.termination = f"error: agent: {generation.finish_reason}"
+                continue
+            _, public = self.renderer.split_thinking(generation.text)
+            text, calls = parse_tool_calls(public, id_prefix=f"{episode.rollout_id}-{len(episode.turns)}")
+            episode.turns.append(AgentTurn(len(episode.messages), context, list(generation.token_ids),
+                                           list(generation.logprobs), generation.finish_reason))
+            episode.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            for call in calls:
+                episode.messages.append({"role": "tool", "content": episode.env.call_tool(call), "name": call.name,
+                                         "tool_call_id": call.id})
+            if len(episode.turns) >= self.max_agent_turns:
+                episode.termination = "max_turns"
+            elif calls:
+                to_agent.append(i)
+            else:
+                to_user.append(i)
+        return to_user, to_agent
+
+
+def score_episodes(episodes: list[AgentEpisode]) -> dict[str, int]:
+    """Score every ended episode with its env; the rewards of the agent's own turns are kept (an opening
+    greeting is the env's, not a policy action). Returns failure counts by reason."""
+    failures: dict[str, int] = {}
+    for episode in episodes:
+        if episode.termination.startswith("error"):  # "error: agent: ..." or "error: user model: ..."
+            reason = episode.termination.split(":")[1].strip().replace(" ", "_") + "_error"
+            failures[reason] = failures.get(reason, 0) + 1
+            continue
+        score = episode.env.score(episode.messages, episode.termination)
+        episode.score_info = dict(score.info)
+        assistant = [k for k, m in enumerate(episode.messages) if m["role"] == "assistant"]
+        if score.error is None and len(score.turn_rewards) != len(assistant):
+            score.error = f"{len(score.turn_rewards)} rewards for {len(assistant)} assistant messages"
+        if score.error is not None:
+            episode.score_info["error"] = score.error
+            reason = f"score: {score.error.split(':')[0]}"
+            failures[reason] = failures.get(reason, 0) + 1
+            continue
+        by_message = dict(zip(assistant, score.turn_rewards, strict=True))
+        episode.turn_rewards = [float(by_message[t.message_index]) for t in episode.turns]
+    return failures
+
+
+def agent_rows(episodes: list[AgentEpisode], gamma: float, domain: str) -> list[tuple[TrainingRow, AgentEpisode, int]]:
+    """One row per agent turn of every scored episode, its reward the reward-to-go
+    G_t = r_t + gamma * G_{t+1}; the episode's first row carries G_0, which the group statistics read."""
+    scored = [e for e in episodes if e.turn_rewards is not None and e.turns]
+    rewards = [r for e in scored for r in e.turn_rewards]
+    ids = [e.rollout_id for e in scored for _ in e.turns]
+    if not rewards:
+        return []
+    returns = discounted_returns(torch.tensor(rewards), torch.tensor(ids), gamma, impl="torch").tolist()
+    rows = []
+    k = 0
+    for episode in scored:
+        for t, turn in enumerate(episode.turns):
+            rows.append((TrainingRow(episode.group_id, episode.rollout_id, turn.context_ids, turn.response_ids,
+                                     turn.response_logprobs, returns[k], domain), episode, t))
+            k += 1
+    return rows
