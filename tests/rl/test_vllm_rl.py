@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from tests.rl.engines.test_vllm_colocated import ENGINE_OPTIONS, TRAINER_TOLERANCE
 from tests.rl.test_agent_rl import AGENT_RL, _agent_args
 from tests.rl.test_simulator_rl import _rl_args
-from tests.rl.engines.test_vllm_colocated import ENGINE_OPTIONS, TRAINER_TOLERANCE
 from tests.training.conftest import read_metrics, run_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
