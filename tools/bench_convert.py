@@ -28,8 +28,7 @@ import torch
 from megatron_mimesis.models.hf_io import LazyHFState, ShardedSafetensorsWriter, safetensors_files
 from megatron_mimesis.models.presets import PRESETS, get_preset
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT = REPO / "runs" / "bench-convert"
+DEFAULT_OUTPUT = Path("runs") / "bench-convert"
 HF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -59,7 +58,7 @@ def write_synthetic_hf(directory: Path, preset_name: str, layers: int, dtype: st
 
 def measure(cmd: list[str]) -> dict:
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = 0
     root = psutil.Process(proc.pid)
 
@@ -92,8 +91,8 @@ def bench_depth(work: Path, preset: str, layers: int, dtype: str) -> dict:
     hf, mcore, back = work / "hf", work / "mcore", work / "back"
     params = write_synthetic_hf(hf, preset, layers, dtype)
     size_gib = sum(f.stat().st_size for f in safetensors_files(hf)) / 2**30
-    tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py")]
-    result = {"layers": layers, "parameters": params, "checkpoint_gib": round(size_gib, 3),
+    tool = [sys.executable, "-m", "megatron_mimesis.tools.convert_checkpoint"]  # tools/convert_checkpoint.py
+    result = {"layers": layers, "parameters": params, "checkpoint_gib": size_gib,
               "import": measure([*tool, "import", "--hf", str(hf), "--out", str(mcore), "--dtype", dtype]),
               "export": measure([*tool, "export", "--load", str(mcore), "--out", str(back), "--dtype", dtype,
                                  "--max-shard-size-gb", "1"])}
