@@ -26,7 +26,7 @@ import torch
 from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "runs" / "bench-engines"
+DEFAULT_OUTPUT = Path("runs") / "bench-engines"
 
 
 class _IdsOnly:
