@@ -138,7 +138,7 @@ def _write_configs(out: Path, preset: Qwen35Preset, ref_config: dict | None, ref
 
 
 def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, dtype: str = "bf16",
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, progress: bool = True) -> Path:
     """HF directory -> ``out/iter_0000000`` (weights only) + ``out/latest``; loadable at any TP/PP whose vocabulary
     padding is that of ``tp`` (see :mod:`megatron_mimesis.checkpoint.hf_import`)."""
     from transformers import AutoConfig
@@ -155,7 +155,7 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, dtype: s
     try:
         iter_dir = tmp / "iter_0000000"
         iter_dir.mkdir()
-        run_gloo_processes(import_worker, 1, str(hf_dir), str(iter_dir), tp, DTYPES[dtype])
+        run_gloo_processes(import_worker, 1, str(hf_dir), str(iter_dir), tp, DTYPES[dtype], progress)
         if any((hf_dir / name).exists() for name in TOKENIZER_FILES):
             _copy_tokenizer(hf_dir, iter_dir / TOKENIZER_SUBDIR)
         record_files(iter_dir)

@@ -53,18 +53,19 @@ class HFMegatronTensors:
         return torch.split(self._megatron(name), rows, dim=0)[parts.index(key)]
 
 
-def import_worker(rank, world_size, hf_dir: str, out_dir: str, tp: int, dtype: torch.dtype):
+def import_worker(rank, world_size, hf_dir: str, out_dir: str, tp: int, dtype: torch.dtype, progress: bool):
     """One process (a gloo world of one): megatron's sharded state dict of the meta model, streamed to ``out_dir``."""
+    from megatron_mimesis.compat import enable_cpu_compat
+
+    enable_cpu_compat()  # before megatron-core is imported, whose import warns about the GPU-only packages
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
     from megatron_mimesis.checkpoint.writer import dist_save_streamed
-    from megatron_mimesis.compat import enable_cpu_compat
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
     from megatron_mimesis.models.hf_io import LazyHFState
     from megatron_mimesis.models.provider import ModelProvider
 
-    enable_cpu_compat()
     parallel_state.initialize_model_parallel(1, 1)
     preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir), name=Path(hf_dir).name)
     config = transformer_config(preset, ParallelConfig(), params_dtype=dtype, perform_initialization=False,
@@ -73,7 +74,7 @@ def import_worker(rank, world_size, hf_dir: str, out_dir: str, tp: int, dtype: t
     with torch.device("meta"):
         model = provider()
     source = HFMegatronTensors(LazyHFState(hf_dir), preset, provider.padded_vocab_size)
-    dist_save_streamed({"model": model.sharded_state_dict()}, out_dir, source)
+    dist_save_streamed({"model": model.sharded_state_dict()}, out_dir, source, progress)
     run_config = {"preset": vars(preset), "padded_vocab_size": provider.padded_vocab_size, "model_only": True,
                   "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1,
                              "data_parallel_size": 1},

@@ -44,6 +44,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from tqdm import tqdm
 
 from megatron_mimesis.checkpoint.reader import LATEST, OLD_SUFFIX, checkpoint_dir
 
@@ -58,13 +59,22 @@ class _ResolvingPlanner(MCoreSavePlanner):
     """megatron's save planner, with each tensor chunk's data taken from ``resolve(key)`` (the global tensor) when
     DCP writes it, instead of from the state dict (whose tensors are on the meta device)."""
 
-    def __init__(self, resolve: Callable[[str], torch.Tensor]):
+    def __init__(self, resolve: Callable[[str], torch.Tensor], progress: bool):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._resolve = resolve
+        self._progress = progress
+        self.bar = None
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        chunks = sum(item.type != WriteItemType.BYTE_IO for item in plan.items)
+        self.bar = tqdm(total=chunks, desc="write", unit="tensor", disable=not self._progress)
+        return plan
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
+        self.bar.update()
         key, data = write_item.index.fqn, write_item.tensor_data
         full = self._resolve(key)
         if full.shape != data.size:
@@ -76,8 +86,8 @@ class _ResolvingPlanner(MCoreSavePlanner):
         return chunk.to(data.properties.dtype).contiguous()
 
 
-def dist_save_streamed(sharded_state_dict: dict, directory: str | Path,
-                       resolve: Callable[[str], torch.Tensor]) -> None:
+def dist_save_streamed(sharded_state_dict: dict, directory: str | Path, resolve: Callable[[str], torch.Tensor],
+                       progress: bool = True) -> None:
     """What :func:`dist_save` writes for ``sharded_state_dict``, with the tensors' data from ``resolve(key)``.
 
     ``sharded_state_dict`` is that of a model on the meta device in a world of one process (only its structure is
@@ -90,9 +100,10 @@ def dist_save_streamed(sharded_state_dict: dict, directory: str | Path,
     sharded["common_state"] = ShardedObject(key="common_state", data=common, global_shape=(1,), global_offset=(0,),
                                             replica_id=0)
     by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
+    planner = _ResolvingPlanner(resolve, progress)
     dcp.save(mcore_to_pyt_state_dict(by_key, is_loading=False),
-             storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=False),
-             planner=_ResolvingPlanner(resolve))
+             storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=False), planner=planner)
+    planner.bar.close()
     strategy = TorchDistSaveShardedStrategy()
     save_config(CheckpointingConfig(strategy.backend, strategy.version), str(directory))
 

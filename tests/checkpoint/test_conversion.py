@@ -44,7 +44,7 @@ def imported(hf_model, tmp_path_factory):
     """The HF model, saved and imported (fp32) once for the tests below."""
     tmp_path = tmp_path_factory.mktemp("imported")
     src = _hf_dir(tmp_path, hf_model)
-    import_from_hf(src, tmp_path / "mcore", dtype="fp32")
+    import_from_hf(src, tmp_path / "mcore", dtype="fp32", progress=False)
     return src, tmp_path / "mcore"
 
 
@@ -174,7 +174,7 @@ def test_hf_reference_keeps_vision_tower_mtp_and_layout(tmp_path):
     weights = load_file(str(reference / "model.safetensors"))
     weights["mtp.fc.weight"] = torch.randn(PRESET.hidden_size, 2 * PRESET.hidden_size)
     save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    import_from_hf(reference, tmp_path / "mcore", dtype="fp32")
+    import_from_hf(reference, tmp_path / "mcore", dtype="fp32", progress=False)
     export_to_hf(tmp_path / "mcore", tmp_path / "out", hf_reference=reference, dtype="fp32", progress=False)
     out = _tensors(tmp_path / "out")
     assert set(out) == set(weights)
