@@ -10,8 +10,12 @@ GRPO with eps 0.2 and no KL term (Liger's loss_type="bnpo"). Per provider: media
 time (backward = their difference), peak memory above the inputs, "gemm%" = time of the 3 bare lm-head GEMMs
 (N x H x V each) / forward+backward time (100% = as fast as the GEMMs alone), and max-abs / cosine errors of the
 loss, per-token log-prob and grad_h against an fp32 reference computed in token chunks. A provider that fails
-(OOM, missing, launch error) gets a row saying so. Output: a table on stdout, rows appended to bench_data/all_benchmark_data.csv (Liger's habit), a JSON
-file and a PNG plot. On CPU the times mean nothing; the error columns are the point.
+(OOM, missing, launch error) gets a row saying so. On CPU the times mean nothing; the error columns are the point.
+
+Output goes to ``--output`` (default ``runs/bench-kernels``, never the checkout): the table on stdout, rows appended
+to all_benchmark_data.csv there (Liger's habit: one CSV that accumulates runs), a JSON file and a PNG plot per mode.
+Each run records its command and machine. A committed reference run of the mode (``docs/benchmarks/``, or
+``--compare FILE``) is printed beside the new one, row for row.
 """
 
 import argparse
@@ -21,6 +25,8 @@ import importlib.metadata
 import json
 import math
 import os
+import platform
+import shlex
 import statistics
 import sys
 import time
@@ -32,7 +38,8 @@ import torch
 from . import reference
 from .dispatch import interpreting
 
-DEFAULT_OUT_DIR = Path(__file__).parent / "bench_data"
+DEFAULT_OUTPUT = Path("runs") / "bench-kernels"
+REFERENCES = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"  # committed runs, one per mode
 CSV_NAME = "all_benchmark_data.csv"
 CLIP_EPS = 0.2
 
@@ -286,6 +293,14 @@ def print_table(rows):
               f"{_fmt(r.grad_h_max_abs, '10.1e')}{_fmt(r.grad_h_cos, '10.6f')}  {r.status}")
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def environment(device):
     def version(package):
         try:
@@ -295,6 +310,8 @@ def environment(device):
 
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cores",
+        "command": shlex.join(["python", "-m", "megatron_mimesis.kernels.bench", *sys.argv[1:]]),
         "torch": torch.__version__,
         "triton": version("triton"),
         "liger_kernel": version("liger-kernel"),
@@ -350,7 +367,28 @@ def plot(path: Path, rows, title):
     plt.close(fig)
 
 
-def run(small: bool, out_dir: Path, providers, reps: int):
+def reference_path(mode: str) -> Path:
+    return REFERENCES / f"kernels-{mode}.json"
+
+
+def print_comparison(rows, reference: dict, source: Path) -> None:
+    """The new run's rows beside the reference's rows of the same provider and shape."""
+    theirs = {(r["provider"], r["num_tokens"], r["vocab"]): r for r in reference["rows"]}
+    env = reference["env"]
+    print(f"\nbeside the reference run {source} ({env.get('machine', env['device'])}, {env['timestamp']}, "
+          f"{env.get('command', 'command not recorded')}):")
+    header = f"{'provider':<24}{'N':>7}{'V':>8}{'f+b ms':>10}{'ref':>10}{'lp err':>10}{'ref':>10}{'gh err':>10}{'ref':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ref = theirs.get((r.provider, r.num_tokens, r.vocab), {})
+        print(f"{r.provider:<24}{r.num_tokens:>7}{r.vocab:>8}{_fmt(r.fwd_bwd_ms, '10.2f')}"
+              f"{_fmt(ref.get('fwd_bwd_ms'), '10.2f')}{_fmt(r.logprob_max_abs, '10.1e')}"
+              f"{_fmt(ref.get('logprob_max_abs'), '10.1e')}{_fmt(r.grad_h_max_abs, '10.1e')}"
+              f"{_fmt(ref.get('grad_h_max_abs'), '10.1e')}")
+
+
+def run(small: bool, output: Path, providers, reps: int, reference: Path | None = None):
     device = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     dtype = torch.bfloat16
     shapes = small_shapes() if small else gpu_shapes()
@@ -372,15 +410,18 @@ def run(small: bool, out_dir: Path, providers, reps: int):
                   f"({time.perf_counter() - started:.1f} s)", flush=True)
         del x, expected
     env = environment(device)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)
     mode = "small" if small else "gpu"
-    append_csv(out_dir / CSV_NAME, env, rows)
-    (out_dir / f"policy_loss_{mode}.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
-                                                                 indent=1))
-    plot(out_dir / f"policy_loss_{mode}.png", rows, f"GRPO policy loss from hidden states, {env['device']}")
+    append_csv(output / CSV_NAME, env, rows)
+    (output / f"policy_loss_{mode}.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
+                                                                indent=1))
+    plot(output / f"policy_loss_{mode}.png", rows, f"GRPO policy loss from hidden states, {env['device']}")
     print(f"\n{env}")
     print_table(rows)
-    print(f"\nwrote {out_dir / CSV_NAME}, policy_loss_{mode}.json, policy_loss_{mode}.png")
+    reference = reference or reference_path(mode)
+    if reference.exists():
+        print_comparison(rows, json.loads(reference.read_text()), reference)
+    print(f"\nwrote {output / CSV_NAME}, policy_loss_{mode}.json, policy_loss_{mode}.png")
     return rows
 
 
@@ -388,19 +429,24 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true",
                         help="tiny shapes on the CPU under the Triton interpreter (automatic without CUDA)")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where the CSV, JSON and PNG go")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where the CSV, JSON and PNG go")
+    parser.add_argument("--compare", type=Path,
+                        help="a previous run's JSON to print beside this one (default: docs/benchmarks/kernels-MODE.json)")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions on the CPU (GPU: do_bench)")
     args = parser.parse_args(argv)
+    if args.compare is not None and not args.compare.is_file():
+        parser.error(f"--compare {args.compare}: no such file")
     small = args.small or not torch.cuda.is_available()
     if small and not args.small:
         print("no CUDA device: running the small CPU comparison")
     if small and not interpreting():
         # Triton reads TRITON_INTERPRET when it is imported (torch.compile already imported it), so restart with it
         os.environ["TRITON_INTERPRET"] = "1"
-        os.execv(sys.executable, [sys.executable, "-m", "megatron_mimesis.kernels.bench", "--small",
-                                  *(sys.argv[1:] if argv is None else argv)])
-    run(small, args.out_dir, args.providers, args.reps)
+        given = sys.argv[1:] if argv is None else argv
+        os.execv(sys.executable, [sys.executable, "-m", "megatron_mimesis.kernels.bench",
+                                  *([] if "--small" in given else ["--small"]), *given])
+    run(small, args.output, args.providers, args.reps, args.compare)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
 # `launch "$@"`. One script covers three places so the command that runs on the cluster is the one tested:
 #   SLURM (SLURM_JOB_ID set)  one torchrun per node via srun, rendezvous at the first host of the job;
 #   local, GPUs or CPU        one torchrun --standalone (CPU: 2 gloo processes);
-#   embedded demo             local + no GPU + no CONFIG: build the demo data, train, plot the loss.
+#   embedded demo             local + no GPU + no CONFIG: build the demo data, train, plot the loss and print the
+#                             run's summary line (first-10 / last-10 step means, wall time).
 # Arguments are trainer flags (passed through); `--dry-run` anywhere prints the launch command, the
 # environment and the trainer's resolved config, and starts nothing.
 #
-# Caller sets: STAGE, PAPER_CONFIG, DEMO_CONFIG, DEMO_RUN_DIR, DEMO_PREP_ARGS (array; empty: the stage builds no
+# Caller sets: STAGE, PAPER_CONFIG, DEMO_CONFIG, DEMO_PREP_ARGS (array; empty: the stage builds no
 # demo data), DEMO_NEEDS (array of paths the demo needs, with DEMO_NEEDS_HINT saying how to make them), and
 # optionally TRAIN_MODULE (the entry module; default the trainer) and DEMO_PLOT_ARGS (array for tools/plot_run.py);
 # the RL stages take their demo settings from rl_demo_defaults (called after sourcing this file).
@@ -156,13 +157,21 @@ run_demo_data() {
   "$PYTHON" -m "data_prep.$STAGE" "${DEMO_PREP_ARGS[@]}" "${output[@]}"
 }
 
+# The demo's plot and its summary line, from the log directory the run used (--log-dir, else the config's), with
+# the wall time since the launch began: the same figures the README quotes, so a run compares like with like.
 report_demo() {
-  local metrics="$DEMO_RUN_DIR/metrics.jsonl" plot="$DEMO_RUN_DIR/loss.png"
-  "$PYTHON" tools/plot_run.py "$metrics" -o "$plot" "${DEMO_PLOT_ARGS[@]}" >/dev/null
+  local log_dir save summary elapsed=$((SECONDS - launch_start))
+  log_dir="$(flag_value --log-dir)"
+  log_dir="${log_dir:-$(config_value log_dir)}"
+  save="$(flag_value --save)"
+  save="${save:-$(config_value save)}"
+  local metrics="$log_dir/metrics.jsonl" plot="$log_dir/loss.png"
+  summary="$("$PYTHON" tools/plot_run.py "$metrics" -o "$plot" --summary "${DEMO_PLOT_ARGS[@]}" | tail -n 1)"
   echo "== demo $STAGE finished"
-  echo "logs:        $metrics (TensorBoard: $DEMO_RUN_DIR)"
-  if [[ -e "$DEMO_RUN_DIR/checkpoints/latest" ]]; then echo "checkpoint:  $DEMO_RUN_DIR/checkpoints"; fi
-  echo "loss plot:   $plot"
+  echo "logs:        $metrics (TensorBoard: $log_dir)"
+  if [[ -n "$save" && -e "$save/latest" ]]; then echo "checkpoint:  $save"; fi
+  echo "plot:        $plot"
+  echo "summary:     $summary; wall $((elapsed / 60)) min $((elapsed % 60)) s"
 }
 
 # The RL demos (rl_simulator.sh, rl_agent.sh) build no data of their own: they start from the mid-training
@@ -175,6 +184,7 @@ rl_demo_defaults() {
 }
 
 launch() {
+  launch_start=$SECONDS
   cd "$REPO_ROOT" || die "cannot enter $REPO_ROOT"
   if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi

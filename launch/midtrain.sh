@@ -9,7 +9,6 @@ set -euo pipefail
 STAGE=midtrain
 PAPER_CONFIG=launch/configs/midtrain_9b.yaml
 DEMO_CONFIG=launch/configs/demo_midtrain.yaml
-DEMO_RUN_DIR=runs/demo-midtrain
 # rows of the demo's seq_length and a BPE of the vocab the demo config declares (the trainer checks both)
 DEMO_PREP_ARGS=(--seq-length 256 --vocab-size 8192)
 DEMO_NEEDS=()

@@ -11,7 +11,6 @@ STAGE=rl_agent
 TRAIN_MODULE=megatron_mimesis.rl.agent_rl
 PAPER_CONFIG=launch/configs/rl_agent_9b.yaml
 DEMO_CONFIG=launch/configs/demo_rl_agent.yaml
-DEMO_RUN_DIR=runs/demo-rl-agent
 
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

@@ -11,7 +11,6 @@ STAGE=rl_simulator
 TRAIN_MODULE=megatron_mimesis.rl.simulator_rl
 PAPER_CONFIG=launch/configs/rl_simulator_9b.yaml  # the paper's 2x8 A100 run, vLLM colocated
 DEMO_CONFIG=launch/configs/demo_rl_simulator.yaml
-DEMO_RUN_DIR=runs/demo-rl-simulator
 
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

@@ -9,7 +9,6 @@ set -euo pipefail
 STAGE=sft
 PAPER_CONFIG=launch/configs/sft_9b.yaml
 DEMO_CONFIG=launch/configs/demo_sft.yaml
-DEMO_RUN_DIR=runs/demo-sft
 # token ids must be those of the checkpoint being fine-tuned: reuse the mid-training demo's tokenizer
 DEMO_PREP_ARGS=(--seq-length 256 --tokenizer .cache/data/chitchat-midtrain/tokenizer)
 DEMO_NEEDS=(.cache/data/chitchat-midtrain/tokenizer runs/demo-midtrain/checkpoints/latest)

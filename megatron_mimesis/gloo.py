@@ -1,6 +1,6 @@
 """Run a function on N local processes joined in a gloo process group, and collect what each returns.
 
-For work that needs megatron's parallel state but no launcher: CPU checkpoint import at a TP/PP layout,
+For work that needs megatron's parallel state but no launcher: the HF checkpoint import (a world of one),
 and the multi-process tests. Processes are spawned (not forked), so each builds its own process groups
 and megatron-core global state, exactly as under torchrun, and each dies with the process that started it
 (:mod:`megatron_mimesis.lifetime`): a killed test run or conversion leaves no rank waiting in a collective.

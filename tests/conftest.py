@@ -1,10 +1,11 @@
 import importlib.util
 import os
+import subprocess
 
 import pytest
 import torch
 
-from tests.training.conftest import SEQ_LENGTH, VOCAB
+from tests.training.conftest import REPO, SEQ_LENGTH, VOCAB
 
 # Triton kernels run on the CPU through the interpreter; set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -42,3 +43,17 @@ def tiny_hf_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "tiny"
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def checkout_untouched():
+    """Fails the test, after it ran, when ``git status`` of the checkout changed: a benchmark or tool run by the
+    test wrote into the repository (tracked or unignored files) instead of its ``--output`` or ``runs/``."""
+
+    def status() -> str:
+        return subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True,
+                              check=True).stdout
+
+    before = status()
+    yield
+    assert status() == before, "the test changed the checkout (git status differs)"

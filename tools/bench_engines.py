@@ -3,24 +3,30 @@ colocated vLLM engine vs the local megatron engine (the baseline), and how close
 samples match the trainer's.
 
     python tools/bench_engines.py [--preset tiny] [--prompts 8] [--prompt-tokens 16] [--new-tokens 64]
-        [--repeats 3] [--engine-options JSON] [--json OUT]
+        [--repeats 3] [--engine-options JSON] [--output DIR]
 
 Runs in one process (a gloo world of one, TP=1, bf16), in the vLLM environment (``make venv-vllm``). Both
 engines get their weights the way RL syncs them (``sync_weights`` from a trainer model, the local engine into a
 model copy of its own) and sample the same prompts; times are medians over ``--repeats`` after one warm-up call.
 The weights are random: their values do not matter for speed, and the sampled tokens are scored by both.
+Prints a table with the ratios to the local engine measured in the same run and writes ``--output``/bench_engines.json
+(default under ``runs/``).
 """
 
 import argparse
 import json
 import os
+import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS
+
+DEFAULT_OUTPUT = Path("runs") / "bench-engines"
 
 
 class _IdsOnly:
@@ -39,7 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine-options", type=json.loads, default=CPU_TINY_OPTIONS,
                         help="vLLM engine keyword arguments (default: the CPU ones the tests use)")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="directory for bench_engines.json")
     return parser.parse_args(argv)
 
 
@@ -68,8 +74,11 @@ def main(argv=None) -> int:
     from megatron_mimesis.rl.types import SamplingParams
     from megatron_mimesis.rl.update.scoring import score_rows
 
-    # a world of one, set up as torchrun would (vLLM's external_launcher reads these too)
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+    # a world of one, set up as torchrun would (vLLM's external_launcher reads these too), on a free port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("LOCAL_RANK", "0"),
                        ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     cpu = enable_cpu_compat()
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
     trainer_model, engine_copy = provider().to(device), provider().to(device)
     padded = provider.padded_vocab_size
 
-    local = LocalEngine(engine_copy, _IdsOnly(), preset.vocab_size, device)
+    local = LocalEngine(engine_copy, _IdsOnly(), device)
     vllm_engine = VLLMEngine(preset, _IdsOnly(), 1, {"seed": 0, **args.engine_options})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, preset.vocab_size, (args.prompts, args.prompt_tokens), generator=g).tolist()
@@ -108,11 +117,9 @@ def main(argv=None) -> int:
         print(f"{name:8} {r['weight_sync_s']:9.4f} {r['weight_sync_s'] / base['weight_sync_s']:8.2f} "
               f"{r['rollout_tokens_per_s']:10.1f} {r['rollout_tokens_per_s'] / base['rollout_tokens_per_s']:8.2f} "
               f"{r['logprob_abs_diff_mean']:13.2e} {r['logprob_abs_diff_max']:8.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "bench_engines.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.output / 'bench_engines.json'}")
     return 0
 
 

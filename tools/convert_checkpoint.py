@@ -1,6 +1,6 @@
 """Convert between megatron dist checkpoints and Hugging Face Qwen3.5 directories.
 
-    python tools/convert_checkpoint.py import --hf DIR --out DIR [--tp N --pp M] [--dtype bf16]
+    python tools/convert_checkpoint.py import --hf DIR --out DIR [--tp N] [--dtype bf16]
     python tools/convert_checkpoint.py export --load DIR [--iteration N] --out DIR [--hf-reference DIR]
         [--tokenizer DIR] [--dtype bf16] [--max-shard-size-gb 2] [--overwrite]
 
@@ -20,8 +20,9 @@ def parse_args(argv):
     imp = sub.add_parser("import", help="HF directory -> weights-only dist checkpoint (load with --finetune)")
     imp.add_argument("--hf", required=True, help="HF Qwen3.5 checkpoint directory")
     imp.add_argument("--out", required=True, help="output save root (gets iter_0000000/ and latest)")
-    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel processes used to build it (memory split)")
-    imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes used to build it")
+    imp.add_argument("--tp", type=int, default=1,
+                     help="pad the vocabulary as training at this tensor-parallel size does (to a multiple of 64 x TP); "
+                          "the checkpoint loads at any TP/PP with that padding")
     imp.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     imp.add_argument("--overwrite", action="store_true")
     exp = sub.add_parser("export", help="dist checkpoint -> HF safetensors directory")
@@ -42,8 +43,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         if args.command == "import":
-            out = import_from_hf(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                 overwrite=args.overwrite)
+            out = import_from_hf(args.hf, args.out, tp=args.tp, dtype=args.dtype, overwrite=args.overwrite)
         else:
             out = export_to_hf(args.load, args.out, iteration=args.iteration, hf_reference=args.hf_reference,
                                tokenizer=args.tokenizer, dtype=args.dtype,

@@ -5,9 +5,9 @@ group), turned into its HF tensors and appended to a size-bounded safetensors sh
 about one layer plus one output shard. With the original ``Qwen3_5ForConditionalGeneration`` directory as
 reference, the output keeps its architecture, config and key names (``model.language_model.*``) and the
 vision tower and MTP weights are copied unchanged; without it, the output is a text-only
-``Qwen3_5ForCausalLM``. Import builds the megatron model (in ``tp * pp`` gloo processes, each holding its
-shard) from the HF weights read lazily, and saves a weights-only dist checkpoint that the trainer loads at
-any layout with ``--load DIR --finetune``. Both write into a temporary directory renamed at the end.
+``Qwen3_5ForCausalLM``. Import streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor is
+read, mapped and written into a weights-only dist checkpoint that the trainer loads at any layout with
+``--load DIR --finetune``. Both write into a temporary directory renamed at the end.
 """
 
 import json
@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from megatron_mimesis.checkpoint.hf_import import import_worker
 from megatron_mimesis.checkpoint.integrity import record_files
-from megatron_mimesis.checkpoint.reader import RUN_CONFIG, TOKENIZER_SUBDIR, DistCheckpointReader
+from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, DistCheckpointReader
 from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
 from megatron_mimesis.models.mapping import qwen35_mapping
 from megatron_mimesis.models.presets import Qwen35Preset
@@ -136,46 +137,25 @@ def _write_configs(out: Path, preset: Qwen35Preset, ref_config: dict | None, ref
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def _import_worker(rank, world_size, hf_dir: str, out_tmp: str, tp: int, pp: int, dtype: str):
-    from megatron.core import parallel_state
-
-    from megatron_mimesis.checkpoint.writer import dist_save
-    from megatron_mimesis.compat import enable_cpu_compat
-    from megatron_mimesis.models.config import ParallelConfig, transformer_config
-    from megatron_mimesis.models.hf_weights import load_hf_weights
-    from megatron_mimesis.models.provider import ModelProvider
-
-    enable_cpu_compat()
-    parallel_state.initialize_model_parallel(tp, pp)
+def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, dtype: str = "bf16",
+                   overwrite: bool = False, progress: bool = True) -> Path:
+    """HF directory -> ``out/iter_0000000`` (weights only) + ``out/latest``; loadable at any TP/PP whose vocabulary
+    padding is that of ``tp`` (see :mod:`megatron_mimesis.checkpoint.hf_import`)."""
     from transformers import AutoConfig
 
-    preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir), name=Path(hf_dir).name)
-    config = transformer_config(preset, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-                                params_dtype=DTYPES[dtype], perform_initialization=False)
-    provider = ModelProvider(preset, config)
-    model = provider()
-    load_hf_weights(model, LazyHFState(hf_dir), preset, provider.padded_vocab_size)
-    dist_save({"model": model.sharded_state_dict()}, out_tmp)
-    if rank == 0:
-        run_config = {"preset": vars(preset), "padded_vocab_size": provider.padded_vocab_size, "model_only": True,
-                      "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                 "data_parallel_size": 1},
-                      "source": str(hf_dir)}
-        (Path(out_tmp) / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True))
-
-
-def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "bf16",
-                   overwrite: bool = False) -> Path:
-    """HF directory -> ``out/iter_0000000`` (weights only) + ``out/latest``; loadable at any TP/PP."""
     from megatron_mimesis.gloo import run_gloo_processes
 
     hf_dir, out = Path(hf_dir), Path(out)
-    LazyHFState(hf_dir)  # fail early, naming the directory, when there are no weights
+    state = LazyHFState(hf_dir)  # fail early, naming the directory, when there are no weights
+    preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir))
+    missing = [n for m in qwen35_mapping(preset, preset.vocab_size) for n in m.hf_names() if n not in state]
+    if missing:
+        raise ConversionError(f"{hf_dir}: lacks {len(missing)} tensors of the text model, e.g. {missing[:3]}")
     tmp = _fresh_output(out, overwrite)
     try:
         iter_dir = tmp / "iter_0000000"
         iter_dir.mkdir()
-        run_gloo_processes(_import_worker, tp * pp, str(hf_dir), str(iter_dir), tp, pp, dtype)
+        run_gloo_processes(import_worker, 1, str(hf_dir), str(iter_dir), tp, DTYPES[dtype], progress)
         if any((hf_dir / name).exists() for name in TOKENIZER_FILES):
             _copy_tokenizer(hf_dir, iter_dir / TOKENIZER_SUBDIR)
         record_files(iter_dir)

@@ -34,6 +34,17 @@ FUSED_PARTS = {
     "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
     "self_attention.conv1d.weight": ("query", "key", "value"),
 }
+
+
+def fused_part_names(name: str) -> list[str] | None:
+    """The checkpoint keys megatron stores the fused tensor ``name`` under, in concatenation order; None when it is
+    stored whole."""
+    for suffix, parts in FUSED_PARTS.items():
+        if name.endswith(suffix):
+            return [f"{name}.{p}" for p in parts]
+    return None
+
+
 RUN_CONFIG = "run_config.json"
 TOKENIZER_SUBDIR = "tokenizer"  # the trainer's copy of the tokenizer it trained with
 
@@ -130,21 +141,15 @@ class DistCheckpointReader:
         """Every stored model tensor (parts unmerged): name -> (shape, dtype)."""
         return {k: (tuple(v.size), v.properties.dtype) for k, v in self._stored.items()}
 
-    def _parts(self, name: str) -> list[str] | None:
-        for suffix, parts in FUSED_PARTS.items():
-            if name.endswith(suffix):
-                return [f"{name}.{p}" for p in parts]
-        return None
-
     def has(self, name: str) -> bool:
-        parts = self._parts(name)
+        parts = fused_part_names(name)
         return name in self._stored or (parts is not None and all(p in self._stored for p in parts))
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full TP=1 tensor of one megatron parameter."""
         if name in self._stored:
             return self._load([name])[name]
-        parts = self._parts(name)
+        parts = fused_part_names(name)
         if parts is None or not all(p in self._stored for p in parts):
             raise CheckpointError(f"{self.dir}: no tensor {name!r} in the checkpoint")
         loaded = self._load(parts)

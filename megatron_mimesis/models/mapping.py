@@ -88,8 +88,10 @@ class VocabSplit:
         t = hf[self.hf]
         if t.shape[0] != self.vocab:
             raise ValueError(f"{self.hf}: {t.shape[0]} rows, expected vocab size {self.vocab}")
+        # the largest tensor of the model: ``padded`` is already a copy, so one shard needs no other
         padded = torch.cat([t, t.new_zeros(self.padded_vocab - self.vocab, *t.shape[1:])], dim=0)
-        return [c.clone() for c in _even_chunks(padded, tp, 0, self.hf)]
+        chunks = _even_chunks(padded, tp, 0, self.hf)
+        return [chunks[0]] if tp == 1 else [c.clone() for c in chunks]
 
     def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         # the largest tensor of the model: no copy beyond the concatenation (a row slice is contiguous)

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_mimesis.checkpoint.conversion import ConversionError, export_to_hf, import_from_hf
 from megatron_mimesis.checkpoint.reader import CheckpointError, DistCheckpointReader
@@ -37,13 +39,21 @@ def hf_model():
     return hf_reference(seed=3)
 
 
-@pytest.mark.slow
-def test_import_at_tp2_pp2_then_export_is_bit_exact(hf_model, tmp_path):
+@pytest.fixture(scope="module")
+def imported(hf_model, tmp_path_factory):
+    """The HF model, saved and imported (fp32) once for the tests below."""
+    tmp_path = tmp_path_factory.mktemp("imported")
     src = _hf_dir(tmp_path, hf_model)
-    import_from_hf(src, tmp_path / "mcore", tp=2, pp=2, dtype="fp32")
-    reader = DistCheckpointReader(tmp_path / "mcore")
+    import_from_hf(src, tmp_path / "mcore", dtype="fp32", progress=False)
+    return src, tmp_path / "mcore"
+
+
+@pytest.mark.slow
+def test_import_then_export_is_bit_exact(imported, tmp_path):
+    src, mcore = imported
+    reader = DistCheckpointReader(mcore)
     assert reader.run_config["model_only"] and reader.preset.num_layers == 4
-    export_to_hf(tmp_path / "mcore", tmp_path / "back", dtype="fp32", progress=False)
+    export_to_hf(mcore, tmp_path / "back", dtype="fp32", progress=False)
     original, back = _tensors(src), _tensors(tmp_path / "back")
     assert set(back) == set(original)
     for name, tensor in original.items():
@@ -51,6 +61,74 @@ def test_import_at_tp2_pp2_then_export_is_bit_exact(hf_model, tmp_path):
     assert (tmp_path / "back" / "tokenizer.json").exists()
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+
+
+@pytest.mark.slow
+def test_streamed_import_is_what_megatron_saves_from_the_loaded_model(hf_model, imported, tmp_path):
+    """Same keys, chunks, dtypes, objects and bits as megatron-core's own save of a model holding the HF weights."""
+    from megatron_mimesis.checkpoint.writer import dist_save
+    from megatron_mimesis.models.config import ParallelConfig
+    from tests.models.harness import build_megatron_from_hf
+
+    init_single_process_megatron()
+    model, _, _ = build_megatron_from_hf(hf_model.state_dict(), ParallelConfig())
+    (tmp_path / "megatron").mkdir()
+    dist_save({"model": model.sharded_state_dict()}, tmp_path / "megatron")
+    ours = FileSystemReader(str(imported[1] / "iter_0000000")).read_metadata().state_dict_metadata
+    theirs = FileSystemReader(str(tmp_path / "megatron")).read_metadata().state_dict_metadata
+    assert set(ours) == set(theirs)
+    for key, meta in theirs.items():
+        assert type(ours[key]) is type(meta), key
+        if hasattr(meta, "chunks"):
+            assert (ours[key].size, ours[key].chunks, ours[key].properties) == (meta.size, meta.chunks,
+                                                                                meta.properties), key
+    streamed, saved = _dist_tensors(imported[1] / "iter_0000000"), _dist_tensors(tmp_path / "megatron")
+    assert set(streamed) == set(saved)
+    for key, tensor in saved.items():
+        assert torch.equal(streamed[key], tensor), key
+
+
+def _dist_tensors(directory):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+    return state
+
+
+def _load_at_layout_and_compare(rank, world_size, ckpt, hf_dir):
+    """On each rank of TP=2 x PP=2: the imported checkpoint, loaded the way --finetune loads it, equals this rank's
+    shard of the HF weights put in by load_hf_weights."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_mimesis.checkpoint.trainer_state import load_model_weights
+    from megatron_mimesis.compat import enable_cpu_compat
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.hf_io import LazyHFState
+    from megatron_mimesis.models.hf_weights import load_hf_weights
+    from megatron_mimesis.models.provider import ModelProvider
+
+    enable_cpu_compat()
+    parallel_state.initialize_model_parallel(2, 2)
+    model_parallel_cuda_manual_seed(0)
+    provider = ModelProvider(PRESET, transformer_config(PRESET, ParallelConfig(tensor_model_parallel_size=2,
+                                                                              pipeline_model_parallel_size=2)))
+    expected, loaded = provider(), provider()
+    load_hf_weights(expected, LazyHFState(hf_dir), PRESET, provider.padded_vocab_size)
+    load_model_weights(ckpt, [loaded], vars(PRESET))
+    theirs = dict(expected.named_parameters())
+    return sorted(name for name, p in loaded.named_parameters() if not torch.equal(p, theirs[name]))
+
+
+@pytest.mark.slow
+def test_imported_checkpoint_loads_at_tp2_pp2_as_the_hf_weights(imported):
+    from megatron_mimesis.gloo import run_gloo_processes
+
+    src, mcore = imported
+    assert run_gloo_processes(_load_at_layout_and_compare, 4, str(mcore), str(src)) == [[], [], [], []]
 
 
 def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tmp_path):
@@ -96,7 +174,7 @@ def test_hf_reference_keeps_vision_tower_mtp_and_layout(tmp_path):
     weights = load_file(str(reference / "model.safetensors"))
     weights["mtp.fc.weight"] = torch.randn(PRESET.hidden_size, 2 * PRESET.hidden_size)
     save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    import_from_hf(reference, tmp_path / "mcore", dtype="fp32")
+    import_from_hf(reference, tmp_path / "mcore", dtype="fp32", progress=False)
     export_to_hf(tmp_path / "mcore", tmp_path / "out", hf_reference=reference, dtype="fp32", progress=False)
     out = _tensors(tmp_path / "out")
     assert set(out) == set(weights)
@@ -118,6 +196,14 @@ def test_bad_inputs_are_refused_and_nothing_is_half_written(hf_model, tmp_path):
     (missing / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-2.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="missing"):
         import_from_hf(missing, tmp_path / "never")
+    assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never.partial-*"))
+    lacking = tmp_path / "lacking"
+    shutil.copytree(src, lacking)
+    weights = load_file(str(lacking / "model.safetensors"))
+    del weights["model.layers.2.linear_attn.in_proj_z.weight"]
+    save_file(weights, str(lacking / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"lacks 1 tensors .*model\.layers\.2\.linear_attn\.in_proj_z"):
+        import_from_hf(lacking, tmp_path / "never")
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never.partial-*"))
 
 

@@ -56,10 +56,13 @@ def test_gpus_per_node_sets_the_local_process_count(local):
 @pytest.mark.parametrize("command", [
     [str(BIN / "mimesis-prep-midtrain"), "--help"],
     [str(BIN / "mimesis-prep-sft"), "--help"],
+    [str(BIN / "mimesis-prep-bench"), "--help"],
     [str(BIN / "mimesis-inspect-checkpoint"), "--help"],
     [str(BIN / "mimesis-convert-checkpoint"), "export", "--help"],
     [str(BIN / "mimesis-plot-run"), "--help"],
     [str(BIN / "mimesis-eval-simulator"), "--help"],
+    [str(BIN / "mimesis-eval-agent"), "--help"],
+    [str(BIN / "mimesis-bench-convert"), "--help"],
     [sys.executable, "-m", "data_prep.midtrain", "--help"],
 ], ids=lambda command: Path(command[0]).name if len(command) == 2 or "export" in command else command[2])
 def test_the_clis_run_from_any_directory(tmp_path, command):

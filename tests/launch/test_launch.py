@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -230,3 +231,34 @@ def test_rl_agent_local_dry_run_without_gpu_is_the_toy_demo(fake):
     assert "--standalone --nnodes 1 --nproc-per-node 2" in result.stdout
     config = trainer_json(result.stdout)["config"]
     assert (config["env"], config["user_model"], config["coach"]) == ("toy", "scripted", "scripted")
+
+
+# The demo's torchrun writes the metrics of a run into the --log-dir it was given; the data build is skipped.
+FAKE_DEMO_PYTHON = f"""#!/bin/bash
+if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+  for ((i = 1; i < $#; i++)); do if [[ "${{!i}}" == --log-dir ]]; then j=$((i + 1)); log="${{!j}}"; fi; done
+  mkdir -p "$log" && cp "$FAKE_METRICS" "$log/metrics.jsonl"; exit 0
+fi
+if [[ "$1 $2" == "-m data_prep.midtrain" ]]; then exit 0; fi
+exec {sys.executable} "$@"
+"""
+
+
+def test_the_demo_plots_and_summarises_the_log_dir_it_was_given(fake):
+    tmp_path, env = fake
+    losses = [10.0 - 0.1 * i for i in range(1, 26)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"iteration": i, "loss": loss, "tokens_per_sec": 100.0}) + "\n"
+                               for i, loss in enumerate(losses, start=1))
+                       + json.dumps({"iteration": 25, "split": "valid", "loss": 7.25}) + "\n")
+    python = write_exe(tmp_path / "bin" / "fake-python", FAKE_DEMO_PYTHON)
+    log_dir = tmp_path / "elsewhere"
+    result = run("midtrain.sh", ["--train-iters", "25", "--log-dir", str(log_dir), "--save", str(tmp_path / "ckpt")],
+                 {**env, "PYTHON": str(python), "FAKE_METRICS": str(metrics), "DATA_PATH": str(tmp_path / "demo")})
+    assert result.returncode == 0, result.stderr
+    assert f"plot:        {log_dir / 'loss.png'}" in result.stdout
+    assert (log_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10  # 9.45 and 7.95
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(f"summary:     loss {first:.3f} over the first 10 steps, {last:.3f} over the last 10 "
+                        r"\(25 steps\), valid 7.250 at step 25; wall \d+ min \d+ s", summary), summary

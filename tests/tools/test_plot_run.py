@@ -52,3 +52,17 @@ def test_missing_and_empty(tmp_path):
     empty.write_text("\n")
     result = run(empty)
     assert result.returncode == 1 and "no records" in result.stderr
+
+
+def test_summary_line_is_the_first_and_last_ten_step_means(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rewards = [0.05 * i for i in range(14)]  # 14 steps: the two windows overlap
+    write_records(metrics, [{"iteration": i, "reward_mean": r, "rollout_time_s": 1.0} for i, r in enumerate(rewards)])
+    result = run(metrics, "--metric", "reward_mean", "--speed", "rollout_time_s", "--summary")
+    assert result.returncode == 0, result.stderr
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert result.stdout.splitlines() == [
+        str(tmp_path / "loss.png"),
+        f"reward_mean {first:.3f} over the first 10 steps, {last:.3f} over the last 10 (14 steps)"]
+    result = run(metrics, "--summary")  # no train record has a loss
+    assert result.returncode == 1 and result.stderr.strip() == "error: no train record has a 'loss' value"
