@@ -13,8 +13,8 @@ SPEC is one of
   directory) it is our simulator served (``vllm serve`` of an export): prompts go out as token ids of the
   training rendering on ``/v1/completions`` and the likelihood comes from prompt log-probs (``echo``), where
   the server offers them. Without one it is a chat model playing the user from a prompt template: the
-  conversation is sent with the roles swapped (the model speaks as the "assistant" of the API) and there is
-  no likelihood.
+  conversation is sent in the user-simulator convention (``rl.chat.flip_roles``: the model speaks as the
+  "assistant" of the API) and there is no likelihood.
 
 Every reply goes through the project's chat conventions: thinking is split off and never scored, the stop
 marker ``<END>`` means the user ended the conversation, and a failed request or an empty utterance comes back as
@@ -30,7 +30,7 @@ import torch
 
 from megatron_mimesis.eval.likelihood import LikelihoodUnavailable
 from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
-from megatron_mimesis.rl.chat import ChatRenderer, strip_thinking
+from megatron_mimesis.rl.chat import ChatRenderer, flip_roles, strip_thinking
 from megatron_mimesis.rl.engines.protocol import request_seeds
 from megatron_mimesis.rl.types import SamplingParams
 
@@ -181,9 +181,7 @@ class ChatSimulator:
             return list(pool.map(self._reply, positions, [position_seed(seed, p.key) for p in positions]))
 
     def _reply(self, position, seed: int) -> Reply:
-        swapped = {"user": "assistant", "assistant": "user", "system": "system"}
-        messages = [{"role": "system", "content": self.system},
-                    *({"role": swapped[m["role"]], "content": m["content"]} for m in position.context)]
+        messages = [{"role": "system", "content": self.system}, *flip_roles(list(position.context))]
         if len(messages) == 1:
             messages.append({"role": "user", "content": "(You open the conversation.)"})
         try:
