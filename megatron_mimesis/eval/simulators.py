@@ -74,12 +74,14 @@ def parse_spec(text: str, tokenizer: str | None) -> Spec:
             raise SpecError(f"{where}: {target} is not an HF checkpoint directory (no config.json)")
         return Spec(name, kind, target, tokenizer=tokenizer_dir(where, tokenizer or target))
     if kind == "ckpt":
-        from megatron_mimesis.checkpoint.reader import CheckpointError, resolve_checkpoint_dir
+        from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, CheckpointError, resolve_checkpoint_dir
 
         try:
-            resolve_checkpoint_dir(target)
+            directory = resolve_checkpoint_dir(target)
         except (CheckpointError, FileNotFoundError, ValueError) as err:
             raise SpecError(f"{where}: {err}") from None
+        if tokenizer is None and not (directory / TOKENIZER_SUBDIR).is_dir():
+            raise SpecError(f"{where}: {directory} has no tokenizer saved with it (pass --tokenizer DIR)")
         return Spec(name, kind, target, tokenizer=tokenizer_dir(where, tokenizer) if tokenizer else None)
     base_url, at, model = target.rpartition("@")
     if not at or not model or not base_url.startswith(("http://", "https://")):
@@ -264,16 +266,17 @@ def build(spec: Spec, settings: Settings, workdir: Path):
 
     path, tokenizer_path = spec.target, spec.tokenizer
     if spec.kind == "ckpt":
-        path = str(export_checkpoint(spec.target, workdir / spec.name))
+        path = str(export_checkpoint(spec.target, workdir / spec.name, spec.tokenizer))
         tokenizer_path = tokenizer_path or path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     engine = HFEngine.from_pretrained(path, tokenizer=tokenizer, dtype=torch.float32, seed=settings.seed)
     return EngineSimulator(spec.name, engine, tokenizer, tokenizer_path, settings, hf_scorer(engine.model), 1)
 
 
-def export_checkpoint(checkpoint: str, out: Path) -> Path:
-    """A dist checkpoint (any layout) as an fp32 HF directory, through the one converter (no process group)."""
+def export_checkpoint(checkpoint: str, out: Path, tokenizer: str | None) -> Path:
+    """A dist checkpoint (any layout) as an fp32 HF directory, through the one converter (no process group), with
+    the given tokenizer, else the one saved with the checkpoint."""
     from megatron_mimesis.checkpoint.conversion import export_to_hf
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    return export_to_hf(checkpoint, out, dtype="fp32", progress=False)
+    return export_to_hf(checkpoint, out, tokenizer=tokenizer, dtype="fp32", progress=False)
