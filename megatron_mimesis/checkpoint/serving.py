@@ -53,8 +53,14 @@ def recipe_sampling(run_config: dict) -> dict:
 
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
-    """The chat special tokens' ids; a tokenizer without them cannot render the template (error names the dir)."""
-    return TextEncoder(tokenizer_dir).special
+    """The chat special tokens' ids; a tokenizer without them cannot render the template (the error names the
+    directory and what is wrong)."""
+    try:
+        return TextEncoder(tokenizer_dir).special
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{tokenizer_dir / 'tokenizer.json'}: not a tokenizer ({err})") from None
 
 
 def install_chat_template(tokenizer_dir: Path, template: str) -> None:

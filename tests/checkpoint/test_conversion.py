@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from data_prep.tokenizer import ENDOFTEXT, IM_END, TextEncoder
 from megatron_mimesis.checkpoint.conversion import ConversionError, export_to_hf, import_from_hf
 from megatron_mimesis.checkpoint.reader import CheckpointError, DistCheckpointReader
-from megatron_mimesis.checkpoint.serving import simulator_chat_template
+from megatron_mimesis.checkpoint.serving import simulator_chat_template, special_token_ids
 from megatron_mimesis.models.presets import get_preset
 from tests.models.harness import REPO, hf_reference, init_single_process_megatron
 
@@ -126,6 +126,13 @@ def test_bad_inputs_are_refused_and_nothing_is_half_written(hf_model, tiny_datas
     with pytest.raises(FileNotFoundError, match="missing"):
         import_from_hf(missing, tmp_path / "never")
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never.partial-*"))
+
+
+def test_an_export_needs_a_tokenizer_with_the_chat_tokens(tmp_path):
+    """The template and the stop ids are made of them; a stand-in or foreign tokenizer is refused in one line."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer"):
+        special_token_ids(tmp_path)
 
 
 def test_reference_of_another_architecture_is_refused(tmp_path):
