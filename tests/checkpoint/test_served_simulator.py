@@ -96,6 +96,25 @@ def test_thinking_and_the_training_roles_are_request_options(server, tiny_datase
     assert as_trained["prompt_token_ids"] == prompt_of_last_turn(turns, tokenizer_dir)
 
 
+def test_vllms_qwen3_reasoning_parser_keeps_thoughts_private_and_the_content_renders_back_as_trained(export,
+                                                                                                     tiny_dataset):
+    """What ``--reasoning-parser qwen3`` makes of a thought-supervised turn generated after the template's
+    ``<think>\n`` (vLLM's own parser, no server needed), and that its content, sent back as the simulator's
+    earlier turn, renders as data_prep's row with the utterance alone."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning import ReasoningParserManager
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    parser = ReasoningParserManager.get_reasoning_parser("qwen3")(tokenizer)
+    request = ChatCompletionRequest(model="tiny", messages=flip_roles(TURNS))
+    reasoning, content = parser.extract_reasoning("Say which one.\n</think>\n\nthe dentist, on the 14th", request)
+    assert "</think>" not in content and reasoning.strip() == "Say which one."
+    later = [*TURNS, {"role": "user", "content": content}, {"role": "assistant", "content": "Friday?"}]
+    expected = prompt_of_last_turn([*TURNS, {"role": "user", "content": "the dentist, on the 14th"},
+                                    later[-1], {"role": "user", "content": "x"}], tiny_dataset / "tokenizer")
+    assert tokenizer.apply_chat_template(flip_roles(later), add_generation_prompt=True, return_dict=False) == expected
+
+
 def test_tau2_user_simulator_runs_mock_episodes_against_the_server_and_the_stop_marker_ends_one(server, export,
                                                                                                 tiny_dataset, tmp_path):
     assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (make venv) runs tau2 for this test"

@@ -107,6 +107,9 @@ def test_thinking_opens_the_sft_target_and_earlier_thoughts_are_not_shown(though
     sent = [{"role": t["role"], "content": (f"<think>\n{t['thinking']}\n</think>\n\n" if "thinking" in t else "")
              + t["content"]} for t in turns[:-1]]
     assert _ids(thought_supervised, flip_roles(sent), add_generation_prompt=True) == expected
+    # or, from a server with a reasoning parser, the content after </think>: it still starts with its newlines
+    parsed = [{"role": t["role"], "content": ("\n\n" if "thinking" in t else "") + t["content"]} for t in turns[:-1]]
+    assert _ids(thought_supervised, flip_roles(parsed), add_generation_prompt=True) == expected
     assert ChatRenderer(thought_supervised, thinking=True).user_prompt(turns[:-1]) == expected
     # thinking is the export's default and a request can switch it either way
     plain = prompt_of_last_turn(turns, tokenizer_dir)
