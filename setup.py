@@ -12,7 +12,8 @@ setup(
     + ["megatron_mimesis.kernels", "megatron_mimesis.tools"]
     + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
     package_dir={"megatron_mimesis.kernels": "kernels", "megatron_mimesis.tools": "tools"},
-    package_data={"megatron_mimesis.rl.agent": ["templates/*.txt"],
+    package_data={"megatron_mimesis.checkpoint": ["*.jinja"],
+                  "megatron_mimesis.rl.agent": ["templates/*.txt"],
                   "megatron_mimesis.eval": ["templates/*.txt", "data/*.yaml"]},
     install_requires=[
         "torch>=2.6",

@@ -29,7 +29,8 @@ class VLLMServer:
     """A ``vllm serve`` child process: PR_SET_PDEATHSIG makes it die with its parent, its own process group is
     killed on exit; a start that fails or hangs fails the test with the log's tail."""
 
-    def __init__(self, model_dir, log_path, tokenizer=None, chat_template=None, start_timeout_s=600):
+    def __init__(self, model_dir, log_path, tokenizer=None, max_model_len=CPU_TINY_OPTIONS["max_model_len"],
+                 start_timeout_s=600):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -41,12 +42,11 @@ class VLLMServer:
                     "--host", "127.0.0.1",
                     "--port", str(self.port), "--served-model-name", "tiny", "--dtype", "bfloat16",
                     "--kv-cache-memory-bytes", str(CPU_TINY_OPTIONS["kv_cache_memory_bytes"]),
-                    "--max-model-len", str(CPU_TINY_OPTIONS["max_model_len"]),
-                    "--max-num-batched-tokens", str(CPU_TINY_OPTIONS["max_num_batched_tokens"]),
+                    "--max-model-len", str(max_model_len),
+                    "--max-num-batched-tokens", str(max(max_model_len, CPU_TINY_OPTIONS["max_num_batched_tokens"])),
                     "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
-        for flag, value in (("--tokenizer", tokenizer), ("--chat-template", chat_template)):
-            if value is not None:
-                self.cmd += [flag, str(value)]
+        if tokenizer is not None:
+            self.cmd += ["--tokenizer", str(tokenizer)]
 
     @property
     def base_url(self):

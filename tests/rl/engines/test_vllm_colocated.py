@@ -39,8 +39,6 @@ FRESH_TOLERANCE = 1e-4  # the same bf16 weights in a fresh vLLM, the same prefil
 ROWS = VLLM_ROWS
 TOY_PROMPT = {"id": "p0", "domain": "brief", "prompt": "You are a user who answers in very few words.",
               "opening": "Hi! How are you today?", "reference": 2}
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +179,7 @@ def served(tp1, tmp_path_factory):
     export = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", "--load", str(work / "ckpt"),
                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert export.returncode == 0, export.stderr[-3000:]
-    template = out / "chatml.jinja"
-    template.write_text(CHATML)
-    with VLLMServer(out, tmp_path_factory.mktemp("server") / "server.log", chat_template=template) as server:
+    with VLLMServer(out, tmp_path_factory.mktemp("server") / "server.log") as server:
         yield server
 
 
