@@ -1,4 +1,6 @@
+import concurrent.futures
 import importlib.util
+import multiprocessing
 import os
 
 import pytest
@@ -42,3 +44,11 @@ def tiny_hf_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "tiny"
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def planner():
+    """A process for the memory-plan tests: spawned, so it has no process group (the plan builds its own fake worlds,
+    which this process's other tests may not allow), and shared, so its plans' measurements are made once."""
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool

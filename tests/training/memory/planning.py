@@ -1,0 +1,89 @@
+"""Work the memory-plan tests hand to the planning process (the ``planner`` fixture): a spawned process with no
+process group, which the plan's fake worlds need, and whose measurement cache the tests share. Module-level, so
+that they can be pickled into it."""
+
+import io
+from contextlib import redirect_stderr, redirect_stdout
+
+from megatron_mimesis.compat import hide_cpu_notices
+
+hide_cpu_notices()  # before torch and megatron-core are imported here
+
+
+def _cpu():
+    from megatron_mimesis.compat import enable_cpu_compat
+
+    enable_cpu_compat(force=True)
+
+
+def whole_model_counts(presets: list[str], tps: list[int], pps: list[int]) -> dict:
+    """(preset, TP, PP) -> the parameters the plan counts in the whole model, summed over the pipeline stages of
+    one rank each, for every valid layout; and preset -> transformers' count of the same text model."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from megatron_mimesis.models.config import ParallelConfig, validate_layout
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.memory.states import model_parameters
+
+    _cpu()
+    counts, hf = {}, {}
+    for name in presets:
+        preset = get_preset(name)
+        with torch.device("meta"):
+            hf[name] = sum(p.numel() for p in Qwen3_5ForCausalLM(preset.to_hf_config()).parameters())
+        for tp in tps:
+            for pp in pps:
+                try:
+                    validate_layout(preset, ParallelConfig(tensor_model_parallel_size=tp,
+                                                           pipeline_model_parallel_size=pp))
+                except ValueError:
+                    continue
+                config = TrainConfig(model=name, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     bf16=True)
+                counts[name, tp, pp] = sum(model_parameters(config, tp * pp, r) for r in range(pp))
+    return {"plan": counts, "hf": hf}
+
+
+def stage_state_bytes(config_fields: dict, world_size: int) -> list[dict]:
+    """The plan's parameter, gradient and optimizer bytes of each pipeline stage's first data-parallel rank."""
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.memory.states import stage_states
+
+    _cpu()
+    config = TrainConfig(**config_fields)
+    out = []
+    for r in range(config.pipeline_model_parallel_size):
+        s = stage_states(config, world_size, r, config.num_microbatches(world_size))
+        out.append({"parameters": s.parameter_bytes, "gradients": s.gradient_bytes, "optimizer": s.optimizer_bytes})
+    return out
+
+
+def activations_at_another_length(preset_name: str, tp: int, head: str, third_length: int) -> dict:
+    """module -> (the fit's bytes at ``third_length``, the bytes measured there), for the run's GPU fusions."""
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.rl.memory import PolicyHead
+    from megatron_mimesis.training.memory.activations import MeasureSpec, lm_head, measure, saved_bytes_at
+    from megatron_mimesis.training.memory.plan import gpu_run_fusions
+
+    _cpu()
+    heads = {"lm": lm_head, "policy": PolicyHead(csd=True, kl=True)}
+    spec = MeasureSpec(preset=get_preset(preset_name), tensor_parallel=tp, context_parallel=1,
+                       sequence_parallel=tp > 1, bf16=True, selective_recompute=False,
+                       fusions=tuple(sorted(gpu_run_fusions().items())), head=heads[head])
+    fits = measure(spec)
+    planned = {**fits.layers, "embedding": fits.embedding, "head": fits.head}
+    measured = {**saved_bytes_at(spec.__class__(**{**spec.__dict__, "head": None}), [third_length]),
+                **saved_bytes_at(spec, [third_length])}
+    return {name: (planned[name].at(third_length), measured[name][0][1]) for name in planned}
+
+
+def run_mimesis_plan(argv: list[str]) -> tuple[int, str, str]:
+    """``mimesis-plan argv`` in the planning process: (exit status, stdout, stderr)."""
+    from megatron_mimesis.tools.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
