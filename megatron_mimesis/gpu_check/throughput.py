@@ -45,7 +45,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     tokens_per_s = THROUGHPUT_SEQ / seconds
     flops = train_flops_per_token(preset, THROUGHPUT_SEQ) * tokens_per_s
     rec.row(layers=f"{THROUGHPUT_LAYERS} (3 DeltaNet + 1 attention) + lm head", seq=THROUGHPUT_SEQ,
-            step_s=seconds, tokens_per_s=tokens_per_s, tflops=flops / 1e12, mfu=flops / peak_flops,
+            step_s=seconds, tokens_per_s=tokens_per_s, tflops=flops / 1e12, mfu=flops / peak_flops if peak_flops else None,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30, gpu_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
     # the lm head + fused loss alone, to separate it from the per-layer cost in the extrapolation
     hidden = torch.randn(THROUGHPUT_SEQ, preset.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -66,7 +66,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     full = get_preset("9b")
     full_step_s = (PAPER_LAYERS * per_layer_s + head_s) / PAPER_TP
     full_tokens_per_gpu = THROUGHPUT_SEQ / full_step_s / PAPER_TP
-    full_mfu = full_tokens_per_gpu * train_flops_per_token(full, THROUGHPUT_SEQ) / peak_flops
+    full_mfu = full_tokens_per_gpu * train_flops_per_token(full, THROUGHPUT_SEQ) / peak_flops if peak_flops else None
     rec.row(layers=f"extrapolated: {PAPER_LAYERS} layers at TP={PAPER_TP}", seq=THROUGHPUT_SEQ, step_s=full_step_s,
             tokens_per_s=full_tokens_per_gpu, mfu=full_mfu)
     rec.note(f"measured lm head + fused loss alone: {head_s * 1e3:.1f} ms; per layer (averaged over the 3:1 mix): "

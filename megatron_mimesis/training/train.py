@@ -288,7 +288,7 @@ class Trainer:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
         from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
-        from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
+        from megatron_mimesis.training.flops import peak_for_mfu, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
 
@@ -301,8 +301,7 @@ class Trainer:
                      wandb_project=c.wandb_project, run_config=run_config)
         exit_signal = ExitSignal() if c.exit_signal_handler else None
         flops_per_token = train_flops_per_token(c.preset, c.seq_length)
-        # MFU only where a peak is known: on CPU it would be a made-up number
-        peak = device_peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        peak = peak_for_mfu(torch.cuda.get_device_name() if torch.cuda.is_available() else None, log.message)
         data_iterator = self.train_iterators
         status = 0
         result = {"skipped": False}
