@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from megatron_mimesis.tools.plan import sbatch_layout
+
 from megatron_mimesis.training.memory.gpus import MARGIN
 from tests.training.memory import planning
 

@@ -84,6 +84,7 @@ class MemoryPlan:
     columns: list[str]
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # machine-readable extras (one layer's activations, for gpu_check)
 
     def total(self, column: str) -> float:
         return sum(r.values.get(column, 0.0) for r in self.rows if r.counts)
@@ -110,7 +111,7 @@ class MemoryPlan:
                       "values": {c: (v / GIB if r.unit == "GiB" else v) for c, v in r.values.items()}}
                      for r in self.rows],
             "total_gib": {c: self.total(c) / GIB for c in self.columns}, "fits": self.fits,
-            "worst_column": self.worst_column, "notes": self.notes,
+            "worst_column": self.worst_column, "notes": self.notes, "details": self.details,
         }
 
     def render(self) -> str:
@@ -198,8 +199,12 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
                   workload.engine.awake_source, "engine")
         table.add("CUDA context, NCCL, workspaces", "rollout", CONTEXT_ALLOWANCE_GIB * GIB, _ALLOWANCE, "allowance")
     gpu = config.gpu if config.gpu_memory_gib is None else f"{config.gpu} at {config.gpu_memory_gib:g} GiB"
+    tokens = workload.tokens // config.context_parallel_size
+    details = {"tokens_per_microbatch": tokens,
+               "layer_gib": {kind: fit.at(tokens) / GIB for kind, fit in acts.layers.items()}}
     return MemoryPlan(title=_title(config, world_size, workload), gpu=gpu, capacity_bytes=gpu_capacity_bytes(config),
-                      columns=columns, rows=table.rows(), notes=_notes(config, workload, stages, columns))
+                      columns=columns, rows=table.rows(), notes=_notes(config, workload, stages, columns),
+                      details=details)
 
 
 _EXACT = "exact: the rank's shard, built by megatron on fake tensors"
@@ -378,7 +383,7 @@ def plan_and_refusal(config, world_size: int, workload_for: Callable, smaller: C
     of the process), so only processes that plan and exit call it: the dry runs and ``mimesis-plan``."""
     from megatron_mimesis.compat import enable_cpu_compat
 
-    enable_cpu_compat(force=True)
+    enable_cpu_compat(force=True, announce=False)
     plan = memory_plan(config, world_size, workload_for(config))
     if plan.fits:
         return plan, None
@@ -411,20 +416,23 @@ def print_plan(plan: MemoryPlan, refusal: str | None, resolved: dict | None = No
 
 
 def cheapest_fit(config, world_size: int, workload_for: Callable, smaller: Callable) -> str:
-    """The first change that fits, cheapest first: smaller micro-batches (more of them, same work), block recompute of
-    the fewest layers, full recompute, then a wider tensor- or pipeline-parallel split of the same GPUs."""
+    """The first change that fits, cheapest first: smaller micro-batches (more of them, the same work), recomputing the
+    fewest layers, a wider tensor- then pipeline-parallel split of the same GPUs, then such a split with recompute."""
     from megatron_mimesis.training.config import ConfigError
 
-    layers = config.preset.num_layers // config.pipeline_model_parallel_size
-    candidates = list(smaller(config))
-    if config.recompute_granularity != "full":
+    def recompute(candidate) -> list[dict]:
+        if candidate.recompute_granularity == "full":
+            return []
+        layers = candidate.preset.num_layers // candidate.pipeline_model_parallel_size
         full = {"recompute_granularity": "full"}
-        candidates += [{**full, "recompute_method": "block", "recompute_num_layers": n} for n in range(1, layers + 1)]
-        candidates.append({**full, "recompute_method": "uniform", "recompute_num_layers": 1})
+        return ([{**full, "recompute_method": "block", "recompute_num_layers": n} for n in range(1, layers + 1)]
+                + [{**full, "recompute_method": "uniform", "recompute_num_layers": 1}])
+
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
-    if tp < 8:
-        candidates.append({"tensor_model_parallel_size": 2 * tp, "sequence_parallel": True})
-    candidates.append({"pipeline_model_parallel_size": 2 * pp})
+    layouts = [{"tensor_model_parallel_size": t, "sequence_parallel": True} for t in (2 * tp, 4 * tp, 8 * tp) if t <= 8]
+    layouts += [{"pipeline_model_parallel_size": p} for p in (2 * pp, 4 * pp)]
+    candidates = list(smaller(config)) + recompute(config) + layouts
+    candidates += [{**layout, **r} for layout in layouts for r in recompute(config)]
     for changes in candidates:
         candidate = dataclasses.replace(config, **changes)
         try:
@@ -433,13 +441,15 @@ def cheapest_fit(config, world_size: int, workload_for: Callable, smaller: Calla
             continue
         if memory_plan(candidate, world_size, workload_for(candidate)).fits:
             return _describe(changes, config)
-    return "none of smaller micro-batches, recompute, or doubling TP or PP alone; use more GPUs or a larger GPU"
+    return "none of smaller micro-batches, recompute, or a wider TP or PP split; use more GPUs or a larger GPU"
 
 
 def _describe(changes: dict, config) -> str:
-    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
+    flags = " ".join(f"--{'' if value else 'no-'}{name.replace('_', '-')}" if isinstance(value, bool)
+                     else f"--{name.replace('_', '-')} {value}" for name, value in changes.items())
     if changes.get("recompute_method") == "block":
-        n, layers = changes["recompute_num_layers"], config.preset.num_layers // config.pipeline_model_parallel_size
+        pp = changes.get("pipeline_model_parallel_size", config.pipeline_model_parallel_size)
+        n, layers = changes["recompute_num_layers"], config.preset.num_layers // pp
         return f"{flags} (recomputes {n} of {layers} layers per stage: about +{100 * n / layers / 3:.0f}% compute)"
     if changes.get("recompute_method") == "uniform":
         return f"{flags} (recomputes every layer: about +33% compute)"
