@@ -87,3 +87,16 @@ def run_mimesis_plan(argv: list[str]) -> tuple[int, str, str]:
     with redirect_stdout(out), redirect_stderr(err):
         status = main(argv)
     return status, out.getvalue(), err.getvalue()
+
+
+def trainer_dry_run(argv: list[str], world_size: int) -> tuple[int, str, str]:
+    """The trainer's ``main(argv + ["--dry-run"])`` under ``WORLD_SIZE``: (exit status, stdout, stderr)."""
+    import os
+
+    from megatron_mimesis.training.train import main
+
+    os.environ["WORLD_SIZE"] = str(world_size)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        status = main([*argv, "--dry-run"])
+    return status, out.getvalue(), err.getvalue()
