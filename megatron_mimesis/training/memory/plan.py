@@ -66,12 +66,15 @@ class Workload:
     engine: Engine | None = None
 
 
+KIND_ORDER = ("parameters", "gradients", "optimizer", "frozen", "activations", "temporaries", "engine", "allowance")
+
+
 @dataclass(frozen=True)
 class Row:
     term: str
     values: dict  # column -> value in ``unit`` (bytes for "GiB" rows)
     source: str
-    kind: str  # parameters, gradients, optimizer, frozen, activations, temporaries, engine, allowance, or another's
+    kind: str  # the plan's own rows: one of KIND_ORDER; a row added next to them names its own (with counts=False)
     unit: str = "GiB"
     counts: bool = True  # part of the GPU total
 
@@ -224,7 +227,8 @@ class _Table:
         self._about[term] = (source, kind)
 
     def rows(self) -> list[Row]:
-        return [Row(term, values, *self._about[term]) for term, values in self._values.items()]
+        rows = [Row(term, values, *self._about[term]) for term, values in self._values.items()]
+        return sorted(rows, key=lambda row: KIND_ORDER.index(row.kind))
 
 
 def _states(table: _Table, config, world_size: int, workload: Workload, stage: StageStates, column: str,
@@ -347,7 +351,8 @@ def _notes(config, workload: Workload, stages: list[StageStates], columns: list[
     for stage, column in zip(stages, columns, strict=False):
         passes = {kind: sum(stage.chunks[c].layers.count(kind) for c in stage.in_flight) for kind in LAYER_NAMES}
         flight = len(stage.in_flight)
-        notes.append(f"{column}: {flight} micro-batch forward{'s' if flight > 1 else ''} held at the first backward "
+        chunk = " (one model chunk each)" if len(stage.chunks) > 1 else ""
+        notes.append(f"{column}: {flight} forward pass{'es' if flight > 1 else ''}{chunk} held at the first backward "
                      f"(megatron's schedule), {passes[DELTANET]} DeltaNet + {passes[ATTENTION]} attention layer "
                      f"passes of {workload.tokens // config.context_parallel_size} tokens")
     enabled = [name for name, on in gpu_run_fusions().items() if on]
