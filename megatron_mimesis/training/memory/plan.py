@@ -6,9 +6,10 @@ colocated rollout engine, also the rollout phase in which the engine is awake) a
 * exact: parameters, fp32 main gradients and optimizer states of the rank's shard (``states.py``);
 * measured: activations of the micro-batches the schedule holds in flight on that stage, per layer kind, the
   embedding and the loss head (``activations.py``), with full recompute keeping only each checkpointed layer's input;
-* modelled: the fused loss's backward temporaries at its real chunk size (``kernels/linear_logprob.py``: fp32 grad_W
-  and grad_h, one chunk of d logits, their casts), the working set of one layer's backward, a frozen copy (KL
-  reference), the engine's share when awake and what it keeps asleep (given by the RL stage);
+* modelled: the backward temporaries, the larger of the fused loss's at its real chunk size
+  (``kernels/linear_logprob.py``: fp32 grad_W and grad_h, one chunk of d logits, their casts), held while every
+  activation still is, and one layer's gradients while its backward runs; the engine's share when awake and what it
+  keeps asleep (given by the RL stage);
 * allowance: the CUDA context, NCCL communicators and library workspaces, stated, outside the allocator's tensors.
 
 A column fits when its total leaves ``MARGIN`` of the GPU free. A plan that does not fit names its biggest term and
@@ -192,9 +193,10 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
         columns = [f"{name}, update" if pp > 1 else "update" for name in columns] + ["rollout"]
     model_total = sum(s.model_parameters for s in stages)
     table = _Table()
+    temporaries = {}
     for stage, column in zip(stages, columns, strict=False):
         _states(table, config, world_size, workload, stage, column, model_total)
-        _activations(table, config, workload, acts, stage, column)
+        temporaries[column] = _activations(table, config, workload, acts, stage, column)
         table.add("CUDA context, NCCL, workspaces", column, CONTEXT_ALLOWANCE_GIB * GIB, _ALLOWANCE, "allowance")
     if workload.engine is not None:
         _states(table, config, world_size, workload, stages[0], "rollout", model_total)
@@ -206,7 +208,7 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
     details = {"tokens_per_microbatch": tokens,
                "layer_gib": {kind: fit.at(tokens) / GIB for kind, fit in acts.layers.items()}}
     return MemoryPlan(title=_title(config, world_size, workload), gpu=gpu, capacity_bytes=gpu_capacity_bytes(config),
-                      columns=columns, rows=table.rows(), notes=_notes(config, workload, stages, columns),
+                      columns=columns, rows=table.rows(), notes=_notes(config, workload, stages, columns, temporaries),
                       details=details)
 
 
@@ -247,7 +249,10 @@ def _states(table: _Table, config, world_size: int, workload: Workload, stage: S
 
 
 def _activations(table: _Table, config, workload: Workload, acts: Activations, stage: StageStates,
-                 column: str) -> None:
+                 column: str) -> tuple[float, float]:
+    """The activation rows of one stage's column, and the two backward temporaries it takes the larger of: the fused
+    loss's (fp32 grad_W and grad_h, one chunk of d logits) while every activation is still held, and one layer's
+    gradients (or the embedding's weight gradient) while its backward runs, after the loss's are freed."""
     tokens = workload.tokens // config.context_parallel_size
     held, working = layer_activation_bytes(config, acts, stage, tokens)
     for kind in (DELTANET, ATTENTION):
@@ -258,19 +263,17 @@ def _activations(table: _Table, config, workload: Workload, acts: Activations, s
     if edges:
         table.add("activations: embedding, final norm, loss", column, edges, _MEASURED, "activations")
     loss_chunk = next((c for c in stage.chunks if c.computes_loss), None)
-    if loss_chunk is not None:
-        table.add("loss backward temporaries", column, loss_backward_bytes(config, tokens, loss_chunk.vocab_rows),
-                  "modelled: kernels/linear_logprob.py backward (fp32 grad_W and grad_h, a chunk of d logits)",
-                  "temporaries")
+    loss = loss_backward_bytes(config, tokens, loss_chunk.vocab_rows) if loss_chunk is not None else 0.0
     if any(c.embeds for c in stage.chunks):
         embedding_grad = config.preset.hidden_size * _local_vocab_rows(config) * (2 if config.bf16 else 4)
         working = max(working, embedding_grad)
-    table.add("backward working set", column, working,
-              "modelled: one layer's gradients (a recomputed group under full recompute), or the embedding's",
+    table.add("backward temporaries", column, max(loss, working),
+              "modelled: the larger of the fused loss's backward (kernels/linear_logprob.py) and one layer's",
               "temporaries")
     if workload.engine is not None:
         table.add(f"{workload.engine.name} engine, asleep", column, workload.engine.asleep_bytes,
                   workload.engine.asleep_source, "engine")
+    return loss, working
 
 
 def _local_vocab_rows(config) -> int:
@@ -346,9 +349,11 @@ def _title(config, world_size: int, workload: Workload) -> str:
             f"{'distributed' if config.use_distributed_optimizer else 'replicated'} optimizer, recompute {recompute}")
 
 
-def _notes(config, workload: Workload, stages: list[StageStates], columns: list[str]) -> list[str]:
+def _notes(config, workload: Workload, stages: list[StageStates], columns: list[str], temporaries: dict) -> list[str]:
     notes = []
     for stage, column in zip(stages, columns, strict=False):
+        loss, layer = temporaries[column]
+        notes.append(f"{column}: backward temporaries: the loss's {loss / GIB:.2f}, one layer's {layer / GIB:.2f} GiB")
         passes = {kind: sum(stage.chunks[c].layers.count(kind) for c in stage.in_flight) for kind in LAYER_NAMES}
         flight = len(stage.in_flight)
         chunk = " (one model chunk each)" if len(stage.chunks) > 1 else ""
