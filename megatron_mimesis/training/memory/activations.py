@@ -126,7 +126,8 @@ def saved_bytes_at(spec: MeasureSpec, lengths) -> dict[str, list[tuple[int, int]
 def _config(spec: MeasureSpec):
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
 
-    parallel = ParallelConfig(tensor_model_parallel_size=spec.tensor_parallel, context_parallel_size=spec.context_parallel,
+    parallel = ParallelConfig(tensor_model_parallel_size=spec.tensor_parallel,
+                              context_parallel_size=spec.context_parallel,
                               sequence_parallel=spec.sequence_parallel)
     recompute = {"recompute_granularity": "selective"} if spec.selective_recompute else {}
     return transformer_config(spec.preset, parallel, params_dtype=torch.bfloat16 if spec.bf16 else torch.float32,

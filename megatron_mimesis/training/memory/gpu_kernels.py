@@ -37,10 +37,26 @@ from megatron_mimesis.training.memory.saved import SavedTensors
 DELTA_RULE_CHUNK = 64  # fla's chunk length: A holds one row of 64 per head and token
 
 
-def _output(tensor: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+def _needs_grad(*inputs) -> bool:
+    """Whether the kernel's output joins the autograd graph, which is when its saved tensors are kept (not under
+    no_grad, e.g. in the forward of a recomputed region)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
+def _keep(needs_grad: bool, *tensors: torch.Tensor) -> None:
+    if needs_grad:
+        SavedTensors.current().keep(*tensors)
+
+
+def _keep_new(needs_grad: bool, shape, dtype: torch.dtype) -> None:
+    if needs_grad:
+        SavedTensors.current().keep_new(shape, dtype)
+
+
+def _output(tensor: torch.Tensor, needs_grad: bool) -> torch.Tensor:
     """A stand-in's output, of the kernel's shape and dtype (its values are never read): it needs grad where the
     kernel's would, so the ops downstream save what they save in the real graph."""
-    return tensor.requires_grad_(any(t is not None and t.requires_grad for t in inputs))
+    return tensor.requires_grad_(needs_grad)
 
 
 @contextlib.contextmanager
@@ -54,45 +70,51 @@ def gpu_saved_sets():
     from megatron_mimesis.models import local_layers
 
     def te_rms_norm(x, weight, eps, zero_centered):
-        SavedTensors.current().keep(x.contiguous())
-        SavedTensors.current().keep_new(x.shape[:-1], torch.float32)
-        return _output(torch.zeros_like(x), x, weight)
+        grad = _needs_grad(x, weight)
+        _keep(grad, x.contiguous())
+        _keep_new(grad, x.shape[:-1], torch.float32)
+        return _output(torch.zeros_like(x), grad)
 
     def te_attention(self, query, key, value, *args, **kwargs):
+        grad = _needs_grad(query, key, value)
         out = query.new_zeros(*query.shape[:-2], query.shape[-2] * value.shape[-1])
-        SavedTensors.current().keep(query.contiguous(), key.contiguous(), value.contiguous(), out)
-        SavedTensors.current().keep_new(query.shape[:-1], torch.float32)
-        return _output(out, query, key, value)
+        _keep(grad, query.contiguous(), key.contiguous(), value.contiguous(), out)
+        _keep_new(grad, query.shape[:-1], torch.float32)
+        return _output(out, grad)
 
     def te_rope_bshd(t, freqs, interleaved=False):
-        return _output(torch.zeros_like(t), t)
+        return _output(torch.zeros_like(t), _needs_grad(t))
 
     def te_rope_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, interleaved=False):
-        return _output(torch.zeros_like(t), t)
+        return _output(torch.zeros_like(t), _needs_grad(t))
 
     def fla_conv(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
                  cu_seqlens=None, **kwargs):
-        SavedTensors.current().keep(x.contiguous())
-        return _output(torch.zeros(x.shape, dtype=x.dtype), x, weight), None
+        grad = _needs_grad(x, weight, bias)
+        _keep(grad, x.contiguous())
+        return _output(torch.zeros(x.shape, dtype=x.dtype), grad), None
 
     def fla_l2norm(x, dim=-1, eps=1e-6):
+        grad = _needs_grad(x)
         y = torch.zeros(x.shape, dtype=x.dtype)
-        SavedTensors.current().keep(y)
-        SavedTensors.current().keep_new(x.shape[:-1], torch.float32)
-        return _output(y, x)
+        _keep(grad, y)
+        _keep_new(grad, x.shape[:-1], torch.float32)
+        return _output(y, grad)
 
     def fla_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        SavedTensors.current().keep(q, k, v, beta)
-        SavedTensors.current().keep_new(g.shape, torch.float32)
-        SavedTensors.current().keep_new((*k.shape[:-1], DELTA_RULE_CHUNK), k.dtype)
-        return _output(torch.zeros(v.shape, dtype=q.dtype), q, k, v, g, beta), None
+        grad = _needs_grad(q, k, v, g, beta)
+        _keep(grad, q, k, v, beta)
+        _keep_new(grad, g.shape, torch.float32)
+        _keep_new(grad, (*k.shape[:-1], DELTA_RULE_CHUNK), k.dtype)
+        return _output(torch.zeros(v.shape, dtype=q.dtype), grad), None
 
     def triton_linear_logprob(hidden, weight, target_ids, tp_group=None, vocab_size=None):
-        SavedTensors.current().keep(hidden.contiguous(), target_ids.contiguous())
-        SavedTensors.current().keep_new(target_ids.shape, torch.float32)
+        grad = _needs_grad(hidden, weight)
+        _keep(grad, hidden.contiguous(), target_ids.contiguous())
+        _keep_new(grad, target_ids.shape, torch.float32)
         logprob = torch.zeros(hidden.shape[0], dtype=torch.float32)
-        return _output(logprob, hidden, weight), torch.zeros_like(logprob)
+        return _output(logprob, grad), torch.zeros_like(logprob)
 
     patches = [
         (local_layers, "rms_norm", te_rms_norm),

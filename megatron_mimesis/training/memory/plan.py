@@ -128,13 +128,14 @@ class MemoryPlan:
 
         term_width = max(len(r.term) for r in self.rows)
         widths = [max(len(c), 7) for c in self.columns]
-        lines = [self.title, " " * term_width + "  " + "  ".join(c.rjust(w) for c, w in zip(self.columns, widths, strict=True))
-                 + "  source"]
-        for row in self.rows:
-            lines.append(row.term.ljust(term_width) + "  "
-                         + "  ".join(cell(row, c).rjust(w) for c, w in zip(self.columns, widths, strict=True)) + "  " + row.source)
-        lines.append("total (GiB)".ljust(term_width) + "  "
-                     + "  ".join(f"{self.total(c) / GIB:.2f}".rjust(w) for c, w in zip(self.columns, widths, strict=True)))
+
+        def line(first: str, cells: list[str], last: str = "") -> str:
+            row = first.ljust(term_width) + "  " + "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+            return row + (f"  {last}" if last else "")
+
+        lines = [self.title, line("", self.columns, "source")]
+        lines += [line(row.term, [cell(row, c) for c in self.columns], row.source) for row in self.rows]
+        lines.append(line("total (GiB)", [f"{self.total(c) / GIB:.2f}" for c in self.columns]))
         worst = self.total(self.worst_column)
         verdict = (f"fits, {(self.usable_bytes - worst) / GIB:.1f} GiB to spare" if self.fits
                    else f"does not fit: {(worst - self.usable_bytes) / GIB:.1f} GiB over")
@@ -387,7 +388,8 @@ def smaller_micro_batches(config) -> list[dict]:
     return sizes
 
 
-def plan_and_refusal(config, world_size: int, workload_for: Callable, smaller: Callable) -> tuple[MemoryPlan, str | None]:
+def plan_and_refusal(config, world_size: int, workload_for: Callable,
+                     smaller: Callable) -> tuple[MemoryPlan, str | None]:
     """The plan of a validated config and, when it does not fit, the one-line refusal naming its biggest term and the
     cheapest change that fits. It measures on the CPU whatever the machine (the CPU adaptation is forced for the rest
     of the process), so only processes that plan and exit call it: the dry runs and ``mimesis-plan``."""

@@ -145,4 +145,5 @@ def _whole_model_share(chunk, preset, tp: int) -> int:
 
 def _output_weight(chunk):
     """The output layer's weight, which is the embedding's when they are tied on one stage."""
-    return chunk.output_layer.weight if chunk.output_layer.weight is not None else chunk.shared_embedding_or_output_weight()
+    weight = chunk.output_layer.weight
+    return weight if weight is not None else chunk.shared_embedding_or_output_weight()
