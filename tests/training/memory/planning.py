@@ -100,3 +100,47 @@ def trainer_dry_run(argv: list[str], world_size: int) -> tuple[int, str, str]:
     with redirect_stdout(out), redirect_stderr(err):
         status = main([*argv, "--dry-run"])
     return status, out.getvalue(), err.getvalue()
+
+
+def checkpointed_block(method: str, layers: int, tokens: int) -> tuple[int, float]:
+    """The tiny preset's decoder block (3 DeltaNet + 1 attention layer) under full recompute with ``method`` and
+    ``layers``: (saved bytes measured on the real block, the plan's activation bytes for it)."""
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_mimesis.data.collate import packed_seq_params
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.layer_specs import block_spec
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.memory.activations import measure
+    from megatron_mimesis.training.memory.gpu_kernels import gpu_saved_sets
+    from megatron_mimesis.training.memory.plan import (
+        gpu_run_fusions,
+        layer_activation_bytes,
+        measure_spec,
+        training_workload,
+    )
+    from megatron_mimesis.training.memory.saved import SavedTensors
+    from megatron_mimesis.training.memory.states import stage_states
+    from megatron_mimesis.training.memory.world import rank_of_world
+
+    _cpu()
+    run = TrainConfig(model="tiny", bf16=True, seq_length=tokens, global_batch_size=1, recompute_granularity="full",
+                      recompute_method=method, recompute_num_layers=layers)
+    held, _ = layer_activation_bytes(run, measure(measure_spec(run, training_workload(run, 1))),
+                                     stage_states(run, 1, 0, 1), tokens)
+    with rank_of_world(run, 1), gpu_saved_sets():
+        config = transformer_config(run.preset, ParallelConfig(), params_dtype=torch.bfloat16,
+                                    perform_initialization=False, recompute_granularity="full",
+                                    recompute_method=method, recompute_num_layers=layers, **gpu_run_fusions())
+        block = TransformerBlock(config, block_spec(config, "local"), post_layer_norm=False)
+        rotary = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=run.preset.rotary_percent,
+                                 rotary_base=int(run.preset.rotary_base), use_cpu_initialization=True)
+        freqs = rotary(tokens, packed_seq=True)
+        hidden = torch.zeros(tokens, 1, run.preset.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        packed = packed_seq_params({"cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32), "max_seqlen": tokens})
+        with SavedTensors(exclude=[*block.parameters(), freqs]) as saved:
+            out = block(hidden, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=packed)
+        del out
+    return saved.bytes, sum(held.values())
