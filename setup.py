@@ -47,6 +47,7 @@ setup(
             "mimesis-eval-agent = megatron_mimesis.tools.eval_agent:main",
             "mimesis-eval-simulator = megatron_mimesis.tools.eval_simulator:main",
             "mimesis-bench-convert = megatron_mimesis.tools.bench_convert:main",
+            "mimesis-plan = megatron_mimesis.tools.plan:main",
         ]
     },
     extras_require={

@@ -63,12 +63,19 @@ class RLConfig(TrainConfig):
         self.validate_model_and_optimizer(world_size)
         if not self.tokenizer or not (Path(self.tokenizer) / "tokenizer.json").exists():
             raise ConfigError(f"tokenizer: {self.tokenizer!r} is not an HF tokenizer directory (tokenizer.json)")
+        if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
+            raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
+                              f"{self.kl_reference!r}")
+
+    def validate_without_files(self, world_size: int) -> None:
+        super().validate_without_files(world_size)
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.engine == "local" and self.model != "tiny":
+            raise ConfigError(f"engine=local decodes with the training model itself, with no KV cache and full "
+                              f"[tokens, vocab] logits per decoded token: the tiny preset's CPU engine, not one for "
+                              f"{self.model!r}; use engine=vllm")
         if self.engine == "vllm":
             from megatron_mimesis.rl.engines.vllm import check_vllm_config
 
             check_vllm_config(self)
-        if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
-            raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
-                              f"{self.kl_reference!r}")

@@ -188,8 +188,7 @@ def std(values):
 
 def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     """The RL entry points: parse and validate the config before any process group starts, print it on
-    ``--dry-run``, else run ``loop_cls(config)`` to completion."""
-    import json
+    ``--dry-run`` with its memory plan, else run ``loop_cls(config)`` to completion."""
     import os
     import sys
     from pathlib import Path
@@ -209,9 +208,12 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(json.dumps({"config": config.to_dict(), "world_size": world_size,
-                          "data_parallel_size": config.data_parallel_size(world_size),
-                          "rollouts_per_step": config.rollouts_per_step}, indent=2))
-        return 0
+        from megatron_mimesis.rl.memory import plan_rl
+        from megatron_mimesis.training.memory.plan import print_plan
+
+        resolved = {"config": config.to_dict(), "world_size": world_size,
+                    "data_parallel_size": config.data_parallel_size(world_size),
+                    "rollouts_per_step": config.rollouts_per_step}
+        return print_plan(*plan_rl(config, world_size), resolved)
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
     return run_to_completion(lambda: loop_cls(config).run())
