@@ -15,6 +15,7 @@ from megatron_mimesis.kernels.reference import ROLLOUT_CORRECTION_LEVELS, ROLLOU
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
 ENGINES = ("local", "vllm")
+DELTANET_STATE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -30,6 +31,11 @@ class RLConfig(TrainConfig):
     engine: str = "local"
     engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/engines/vllm.py)
     generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
+    # the vLLM engine's Gated DeltaNet recurrent state (its mamba_ssm_cache_dtype): float32 as the trainer keeps
+    # it and the released configs ask. bfloat16 halves the state cache and its decode traffic, at the cost of a
+    # state rounded to bf16 at every decoded token; tools/bench_mismatch.py prints both sizes for a preset and
+    # measures the mismatch each gives
+    engine_deltanet_state_dtype: str = "float32"
     rollouts_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 512
     temperature: float = 1.0
@@ -82,7 +88,8 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"tokenizer: {self.tokenizer!r} is not an HF tokenizer directory (tokenizer.json)")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
-        for name, allowed in (("rollout_correction", ROLLOUT_CORRECTIONS),
+        for name, allowed in (("engine_deltanet_state_dtype", DELTANET_STATE_DTYPES),
+                              ("rollout_correction", ROLLOUT_CORRECTIONS),
                               ("rollout_correction_level", ROLLOUT_CORRECTION_LEVELS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")

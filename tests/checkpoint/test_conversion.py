@@ -51,6 +51,7 @@ def test_import_at_tp2_pp2_then_export_is_bit_exact(hf_model, tmp_path):
     assert (tmp_path / "back" / "tokenizer.json").exists()
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["mamba_ssm_dtype"] == "float32"  # vLLM keeps the DeltaNet state in fp32, as the trainer does
 
 
 def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tmp_path):

@@ -55,8 +55,11 @@ def test_a_warning_line_when_the_correction_acts_on_too_many_tokens():
     (dict(rollout_correction_level="geometric"), "rollout_correction_level must be one of"),
     (dict(rollout_correction_cap=1.0), "rollout_correction_cap must be greater than 1"),
     (dict(rollout_correction_warn_frac=1.5), "rollout_correction_warn_frac must be in"),
+    (dict(engine_deltanet_state_dtype="float16"), "engine_deltanet_state_dtype must be one of"),
+    (dict(engine="vllm", bf16=True, engine_options={"mamba_ssm_cache_dtype": "bfloat16"}),
+     "set by the vLLM engine itself .*engine_deltanet_state_dtype"),
 ])
-def test_correction_options_are_validated_before_anything_starts(tmp_path, changes, message):
+def test_correction_and_state_dtype_options_are_validated_before_anything_starts(tmp_path, changes, message):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match=message):
         SimulatorRLConfig(tokenizer=str(tmp_path), **changes).validate(1)
