@@ -120,11 +120,11 @@ class RLLoop:
         keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
         weights, correction = rollout_weights(rows, c.rollout_correction, c.rollout_correction_level,
                                               c.rollout_correction_cap)
+        if weights is not None and not any(w for i in keep for w in weights[i]):
+            keep = []  # the correction rejected every token: an optimizer step on nothing would still move Adam
         record = {"rows": len(rows), "rows_trained": len(keep),
                   "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep}),
                   **correction}
-        if weights is not None and not any(w for i in keep for w in weights[i]):
-            keep = []  # the correction rejected every token: an optimizer step on nothing would still move Adam
         if not keep:
             record["update_applied"] = False
             return record, summaries

@@ -13,8 +13,9 @@ because every CP rank would run its own instance for the same prompts and nothin
 
 The model is built from an HF config written from the preset (``load_format="dummy"``: no checkpoint is read),
 with the Gated DeltaNet recurrent state in ``engine_deltanet_state_dtype`` (fp32 by default, as the trainer keeps
-it and the released configs ask), and gets its weights from :func:`~megatron_mimesis.rl.engines.weight_sync.sync_weights`: once in :meth:`from_config`,
-and after every optimizer step. Where vLLM's platform has sleep mode (CUDA, ROCm, XPU), the engine sleeps at
+it and the released configs ask), and gets its weights from
+:func:`~megatron_mimesis.rl.engines.weight_sync.sync_weights`: once in :meth:`from_config`, and after every
+optimizer step. Where vLLM's platform has sleep mode (CUDA, ROCm, XPU), the engine sleeps at
 level 1 between rollouts (weights to CPU memory, KV cache dropped) so training gets the memory back; a sync into
 a sleeping engine wakes only the weights, and ``wake`` brings back the rest (the order veRL and slime use).
 Level 1 rather than 2 (drop the weights too): a step that applies no update syncs nothing, and the engine must

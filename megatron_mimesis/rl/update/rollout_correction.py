@@ -14,26 +14,33 @@ from megatron_mimesis.kernels.reference import rollout_correction_weights
 from megatron_mimesis.rl.types import TrainingRow
 
 
+def correction(trainer: list[list[float]], engine: list[list[float]], mode: str, level: str, cap: float
+               ) -> tuple[list[list[float]], dict]:
+    """Per-row token weights and the metrics over all tokens (plain floats) from per-row log-probs of the same
+    sampled tokens under the trainer and the engine."""
+    lengths = [len(row) for row in trainer]
+    weights, metrics = rollout_correction_weights(
+        torch.tensor([lp for row in trainer for lp in row], dtype=torch.float64),
+        torch.tensor([lp for row in engine for lp in row], dtype=torch.float64),
+        torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long)),
+        mode=mode, level=level, cap=cap)
+    flat, per_row, start = weights.tolist(), [], 0
+    for n in lengths:
+        per_row.append(flat[start:start + n])
+        start += n
+    return per_row, {name: value.item() for name, value in metrics.items()}
+
+
 def rollout_weights(rows: list[TrainingRow], mode: str, level: str, cap: float
                     ) -> tuple[list[list[float]] | None, dict]:
-    """Per-row token weights (None when no row has engine log-probs, or ``mode`` is "off") and the metrics over
-    all the rows' tokens (``engine_kl``, ``engine_logprob_abs_diff[_max]``, ``is_*``), as plain floats."""
+    """The step's per-row token weights (None when no row has engine log-probs, or ``mode`` is "off") and the
+    metrics over all the rows' tokens (``engine_kl``, ``engine_logprob_abs_diff[_max]``, ``is_*``)."""
     if not any(r.engine_logprobs is not None for r in rows):
         return None, {}
-    trainer = torch.tensor([lp for r in rows for lp in r.response_logprobs], dtype=torch.float64)
-    engine = torch.tensor([lp for r in rows for lp in (r.engine_logprobs if r.engine_logprobs is not None
-                                                        else r.response_logprobs)], dtype=torch.float64)
-    sequence_ids = torch.repeat_interleave(torch.arange(len(rows)),
-                                           torch.tensor([len(r.response_logprobs) for r in rows], dtype=torch.long))
-    weights, metrics = rollout_correction_weights(trainer, engine, sequence_ids, mode=mode, level=level, cap=cap)
-    per_row = None
-    if mode != "off":
-        flat = weights.tolist()
-        offsets = [0]
-        for r in rows:
-            offsets.append(offsets[-1] + len(r.response_logprobs))
-        per_row = [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-    return per_row, {name: value.item() for name, value in metrics.items()}
+    weights, metrics = correction([r.response_logprobs for r in rows],
+                                  [r.response_logprobs if r.engine_logprobs is None else r.engine_logprobs
+                                   for r in rows], mode, level, cap)
+    return (None if mode == "off" else weights), metrics
 
 
 def correction_warning(record: dict, mode: str, cap: float, warn_frac: float) -> str | None:
