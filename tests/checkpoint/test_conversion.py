@@ -64,6 +64,7 @@ def test_import_then_export_is_bit_exact(imported, tmp_path):
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["mamba_ssm_dtype"] == "float32"  # vLLM keeps the DeltaNet state in fp32, as the trainer does
 
 
 @pytest.mark.slow
