@@ -30,6 +30,7 @@ class PolicyHead:
 
     csd: bool
     kl: bool
+    weighted: bool  # the rollout correction's per-token weights (rows sampled by another engine than the trainer)
 
     def __call__(self, hidden_states, output_layer, config, tokens: int):
         from megatron_mimesis.rl.update.policy_step import TOKEN_FIELDS, PolicyLossConfig, _policy_output_processor
@@ -38,8 +39,8 @@ class PolicyHead:
         batch = {name: torch.zeros(1, tokens, dtype=torch.long if name in integer_fields else torch.float32)
                  for name in TOKEN_FIELDS}
         loss_config = PolicyLossConfig(csd_alpha=0.01 if self.csd else 0.0, kl_coef=0.1 if self.kl else 0.0)
-        loss, _ = _policy_output_processor(loss_config, batch, hidden_states=hidden_states, output_layer=output_layer,
-                                           output_weight=None, config=config)
+        loss, _ = _policy_output_processor(loss_config, self.weighted, batch, hidden_states=hidden_states,
+                                           output_layer=output_layer, output_weight=None, config=config)
         return loss
 
 
@@ -54,7 +55,8 @@ def rl_workload(config) -> Workload:
         (("local user simulator",) if getattr(config, "user_model", None) == "local" else ())
     return Workload(tokens=tokens, microbatches=2 * pipeline,
                     description=f"packed micro-batches of up to {tokens} tokens",
-                    head=PolicyHead(csd=bool(getattr(config, "csd_alpha", 0.0)), kl=bool(config.kl_coef)),
+                    head=PolicyHead(csd=bool(getattr(config, "csd_alpha", 0.0)), kl=bool(config.kl_coef),
+                                    weighted=config.engine != "local" and config.rollout_correction != "off"),
                     frozen_copies=frozen, engine=_engine(config))
 
 
