@@ -68,7 +68,7 @@ def activations_at_another_length(preset_name: str, tp: int, head: str, third_le
     from megatron_mimesis.training.memory.plan import gpu_run_fusions
 
     _cpu()
-    heads = {"lm": lm_head, "policy": PolicyHead(csd=True, kl=True)}
+    heads = {"lm": lm_head, "policy": PolicyHead(csd=True, kl=True, weighted=True)}
     spec = MeasureSpec(preset=get_preset(preset_name), tensor_parallel=tp, context_parallel=1,
                        sequence_parallel=tp > 1, bf16=True, selective_recompute=False,
                        fusions=tuple(sorted(gpu_run_fusions().items())), head=heads[head])
