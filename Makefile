@@ -33,9 +33,16 @@ $(VLLM_STAMP): setup.py constraints-vllm.txt
 
 venv-vllm: $(VLLM_STAMP)
 
+# Each part runs on two pytest-xdist workers, one per core of the 2-core CI machine (most tests are one busy
+# process, or ranks that wait on each other); a module stays whole on one worker (--dist loadscope), so a module's
+# shared fixture (a vLLM engine or server, a converted checkpoint) is built once. Each part prints its wall time.
+XDIST := -n 2 --dist loadscope
+timed = start=$$(date +%s); $(2); status=$$?; took=$$(($$(date +%s) - start)); \
+	echo "make test: $(1) part took $$((took / 60)) min $$((took % 60)) s (exit $$status)"; exit $$status
+
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -m "not vllm"
-	$(VLLM_PY) -m pytest -q -m vllm
+	@$(call timed,main,$(PY) -m pytest -q $(XDIST) -m "not vllm")
+	@$(call timed,vLLM,$(VLLM_PY) -m pytest -q $(XDIST) -m vllm)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not vllm"

@@ -51,7 +51,7 @@ setup(
         ]
     },
     extras_require={
-        "dev": ["pytest>=8", "ruff", "liger-kernel", "chitchat-dataset"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.8", "ruff", "liger-kernel", "chitchat-dataset"],
         # apex is not on PyPI under that name: build it from NVIDIA's sources when wanted.
         "gpu": [
             # Triton 3.4.0 up to 3.7.1 miscompiles fla's Gated DeltaNet backward on Hopper (fla issue #640);

@@ -13,6 +13,10 @@ from tests.training.conftest import REPO, SEQ_LENGTH, VOCAB
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile'd pieces of megatron-core (e.g. the gated norm) compile once per test session, not per test.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+# make test runs two pytest-xdist workers on a 2-core machine: each takes one core for its in-process tests, as the
+# ranks its tests launch do (OMP_NUM_THREADS=1), instead of both spinning two threads on the same two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
