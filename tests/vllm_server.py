@@ -45,7 +45,7 @@ class VLLMServer:
                     "--kv-cache-memory-bytes", str(CPU_TINY_OPTIONS["kv_cache_memory_bytes"]),
                     "--max-model-len", str(max_model_len),
                     "--max-num-batched-tokens", str(max(max_model_len, CPU_TINY_OPTIONS["max_num_batched_tokens"])),
-                    "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
+                    "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
         if tokenizer is not None:
             self.cmd += ["--tokenizer", str(tokenizer)]
 

