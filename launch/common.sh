@@ -72,21 +72,12 @@ set_cpu_env() {
   env_names=(OMP_NUM_THREADS)
 }
 
-# Trainer flags from the environment, and where to start from: a run that already has a checkpoint in its
-# `save` directory resumes from it (a requeued job: a full resume, even for a stage configured to --finetune
-# from another checkpoint), otherwise PRETRAINED_HF (if given) initialises it.
+# Trainer flags from the environment. Where a run starts is the trainer's one rule (TrainConfig.resolve_start): a
+# `save` directory holding a checkpoint is resumed (a requeued job), whatever the config or PRETRAINED_HF say.
 add_env_flags() {
   if [[ -n "${DATA_PATH:-}" ]]; then train_args+=(--data-path "$DATA_PATH"); fi
   if [[ -n "${SAVE:-}" ]]; then train_args+=(--save "$SAVE"); fi
-  local save
-  save="$(flag_value --save)"
-  save="${save:-$(config_value save)}"
-  if [[ -n "$save" && -e "$save/latest" ]]; then
-    echo "resuming from $save (iteration $(<"$save/latest")); remove it to start over" >&2
-    train_args+=(--load "$save" --no-finetune)
-  elif [[ -n "${PRETRAINED_HF:-}" ]]; then
-    train_args+=(--pretrained-hf "$PRETRAINED_HF")
-  fi
+  if [[ -n "${PRETRAINED_HF:-}" ]]; then train_args+=(--pretrained-hf "$PRETRAINED_HF"); fi
 }
 
 # A command line to read and to paste: words are quoted only where the shell needs it.

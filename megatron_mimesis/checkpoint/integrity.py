@@ -150,6 +150,27 @@ def check_checkpoint(directory: str | Path) -> None:
         load_metadata(stream, path)
 
 
+def verify_written(directory: str | Path) -> str | None:
+    """Why the shards of the just-written ``directory`` do not hold what its ``.metadata`` says they do (one line),
+    or None: every byte range the metadata points at lies inside its file. The check before a checkpoint is
+    listed and published, independent of the writers' own reports."""
+    directory = Path(directory)
+    path = directory / METADATA
+    if not path.is_file():
+        return f"{path}: missing"
+    with path.open("rb") as stream:
+        metadata = load_metadata(stream, path)
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = directory / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < end:
+            return f"{shard}: {'missing' if size is None else f'{size} bytes'}, the metadata needs {end}"
+    return None
+
+
 def verify_files(directory: str | Path) -> str | None:
     """Why ``directory`` is not a complete checkpoint (one line naming the file), or None when it is.
 

@@ -138,7 +138,7 @@ class RLLoop:
         return record, summaries
 
     def run(self) -> int:
-        from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
+        from megatron_mimesis.checkpoint.trainer_state import current_layout
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
@@ -159,11 +159,11 @@ class RLLoop:
 
         def save():
             progress["sampler"] = self.sampler.state_dict()
-            save_checkpoint(c.save, progress["iteration"], self.trainer.model, self.trainer.optimizer,
-                            self.trainer.scheduler, dict(progress), run_config, tokenizer_dir=c.tokenizer)
+            self.trainer.save_checkpoint(progress, run_config)
 
         while progress["iteration"] < c.train_iters:
             record = self.step(progress["iteration"])
+            self.trainer.poll_checkpoint()
             progress["iteration"] += 1
             it = progress["iteration"]
             self.log.step({"iteration": it, **record})
@@ -171,6 +171,7 @@ class RLLoop:
                 break
         else:
             save_final(c, progress["iteration"], save)
+        self.trainer.wait_for_checkpoint()
         self.log.close()
         return 0
 
@@ -197,21 +198,28 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     from megatron_mimesis.compat import hide_cpu_notices
     from megatron_mimesis.lifetime import tie_rank_to_launcher
     from megatron_mimesis.training.config import parse_config
-    from megatron_mimesis.training.train import run_to_completion
+    from megatron_mimesis.training.train import announce, run_to_completion
 
     hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
     tie_rank_to_launcher()
     config, args = parse_config(argv, config_cls, prog=prog, description=description)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        config, resuming = config.resolve_start()
         config.validate(world_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(json.dumps({"config": config.to_dict(), "world_size": world_size,
+        print(json.dumps({"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                           "data_parallel_size": config.data_parallel_size(world_size),
                           "rollouts_per_step": config.rollouts_per_step}, indent=2))
         return 0
+    try:
+        config.check_save_dir()  # before any work that a save directory without room would lose
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    announce(resuming)
     Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    return run_to_completion(lambda: loop_cls(config).run())
+    return run_to_completion(lambda: loop_cls(config).run(), config.log_dir)

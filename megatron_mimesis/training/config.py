@@ -110,15 +110,18 @@ class TrainConfig:
     save: str | None = None
     save_interval: int | None = None
     ckpt_format: str = "torch_dist"
+    # write each checkpoint in a forked writer while training goes on (megatron-core's async save): a step pays only
+    # the copy of its state to host memory; off: the step waits for the write
+    async_save: bool = True
     # logging
     log_dir: str = "runs/demo"
     log_interval: int = 1
     wandb_project: str | None = None
     progress: bool = True
     overwrite_save: bool = field(default=False, metadata={"help": (
-        "let a fresh run (no --load) write into a save directory that already holds checkpoints: its checkpoints "
-        "replace those of the same iteration and `latest` moves to its own. Off by default, so that a forgotten "
-        "--load does not overwrite a run's progress")})
+        "start over in a save directory that already holds checkpoints, from the configured starting weights: the "
+        "run's checkpoints replace those of the same iteration and `latest` moves to its own. Off by default: a "
+        "save directory holding a checkpoint is resumed (a requeued or rerun job continues its own progress)")})
     # faults
     max_skipped_iters: int = 10  # non-finite loss: skip the step; the run stops at the max_skipped_iters-th skip
     seed: int = 1234
@@ -241,16 +244,33 @@ class TrainConfig:
             raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
         if self.load:
             self._check_resume()
-        elif self.save and (Path(self.save) / "latest").exists() and not self.overwrite_save:
-            raise ConfigError(
-                f"save: {self.save} already holds checkpoints (latest: iteration "
-                f"{(Path(self.save) / 'latest').read_text().strip()}); resume with --load {self.save}, save elsewhere, "
-                f"or pass --overwrite-save to start over in it"
-            )
         if self.finetune and not self.load:
             raise ConfigError("finetune needs load (the checkpoint whose weights to start from)")
         if self.pretrained_hf and self.load:
             raise ConfigError("give either pretrained_hf (start from HF weights) or load (resume), not both")
+
+    def resolve_start(self) -> tuple["TrainConfig", str | None]:
+        """Where the run starts, by one rule for every stage: a save directory holding a checkpoint resumes from it,
+        whatever the config says about starting weights (``pretrained_hf``, ``load`` with ``finetune``), since the
+        run that wrote it is this run, requeued or rerun; ``overwrite_save`` starts over instead. Decided before any
+        process group starts (the launcher's check and every rank decide alike); returns the config to run and, on
+        such a resume, the one line that says so."""
+        from megatron_mimesis.checkpoint.reader import LATEST, CheckpointError, read_latest
+
+        if not self.save or self.overwrite_save or not (Path(self.save) / LATEST).exists():
+            return self, None
+        try:
+            iteration = read_latest(self.save)
+        except CheckpointError as exc:
+            raise ConfigError(f"save: {exc}") from None
+        configured = [f"pretrained_hf {self.pretrained_hf}"] if self.pretrained_hf else []
+        if self.load and (self.finetune or Path(self.load) != Path(self.save)):
+            configured.append(f"{'the weights of ' if self.finetune else ''}{self.load}")
+        line = f"resuming from {self.save} (iteration {iteration})"
+        if configured:
+            line += (f", not from {' and '.join(configured)} as configured: a save directory holding a checkpoint is "
+                     f"resumed (--overwrite-save starts over)")
+        return self.replace(load=self.save, finetune=False, pretrained_hf=None), line
 
     def _check_resume(self) -> None:
         """``load`` points at a checkpoint; a full resume must keep the schedule it was saved in (``RESUME_FIXED``)."""
@@ -265,6 +285,12 @@ class TrainConfig:
         saved = json.loads((path / RUN_CONFIG).read_text()).get("train", {})
         changed = [f"{name} {saved[name]!r} -> {getattr(self, name)!r}" for name in RESUME_FIXED
                    if name in saved and saved[name] != getattr(self, name)]
+        if changed and self.save and Path(self.load) == Path(self.save):
+            raise ConfigError(
+                f"save: {path} was saved by a run with other schedule options ({'; '.join(changed)}): a run resumes "
+                f"its save directory with the checkpoint's LR schedule and data order, so resume with its values, "
+                f"save elsewhere, or pass --overwrite-save to start over in it"
+            )
         if changed:
             raise ConfigError(
                 f"load: {path} was saved by a run with other schedule options ({'; '.join(changed)}): a resume "

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -88,7 +89,6 @@ class Trainer:
 
         self.config = config
         self.tokenizer_dir = tokenizer_dir
-        config.check_save_dir()  # before any work that a save directory without room would lose
         cpu = enable_cpu_compat()
         if not dist.is_initialized():
             dist.init_process_group("gloo" if cpu else "nccl")
@@ -106,6 +106,11 @@ class Trainer:
         model_parallel_cuda_manual_seed(config.seed)
         self.is_logger = dist.get_rank() == 0
         self._build_model_and_optimizer()
+        self.checkpoints = None
+        if config.save:
+            from megatron_mimesis.checkpoint.trainer_state import CheckpointSaver
+
+            self.checkpoints = CheckpointSaver(config.save, asynchronous=config.async_save)
 
     # ------------------------------------------------------------------ setup
     def _build_model_and_optimizer(self):
@@ -271,7 +276,7 @@ class Trainer:
     def run(self, tokenizer_sha256: str) -> int:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
-        from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
+        from megatron_mimesis.checkpoint.trainer_state import current_layout
         from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
@@ -297,11 +302,12 @@ class Trainer:
             if result["skipped"]:
                 log.message(f"iteration {progress['iteration']}: no checkpoint while steps are being skipped")
                 return
-            self._save(save_checkpoint, run_config, progress)
+            self.save_checkpoint(progress, run_config)
 
         while progress["iteration"] < c.train_iters:
             start = time.perf_counter()
             result = self.train_step(data_iterator)
+            self.poll_checkpoint()
             elapsed = time.perf_counter() - start
             progress["iteration"] += 1
             progress["consumed_samples"] += c.global_batch_size
@@ -332,12 +338,24 @@ class Trainer:
                 break
         else:
             save_final(c, progress["iteration"], save)
+        self.wait_for_checkpoint()
         log.close()
         return status
 
-    def _save(self, save_checkpoint, run_config, progress):
-        save_checkpoint(self.config.save, progress["iteration"], self.model, self.optimizer, self.scheduler,
-                        dict(progress), run_config, tokenizer_dir=self.tokenizer_dir)
+    def save_checkpoint(self, progress: dict, run_config: dict) -> None:
+        """Checkpoint the state after ``progress["iteration"]`` (written in the background with ``async_save``)."""
+        self.checkpoints.save(progress["iteration"], self.model, self.optimizer, self.scheduler, dict(progress),
+                              run_config, tokenizer_dir=self.tokenizer_dir)
+
+    def poll_checkpoint(self) -> None:
+        """Publish a background save whose write has finished (once per step, on every rank)."""
+        if self.checkpoints is not None:
+            self.checkpoints.poll()
+
+    def wait_for_checkpoint(self) -> None:
+        """Publish the background save in flight, waiting for it: before the run ends."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
 
 def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> bool:
@@ -374,36 +392,74 @@ def main(argv: list[str] | None = None) -> int:
     config, args = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        config, resuming = config.resolve_start()
         config.validate(world_size)
         manifest = check_data(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        resolved = {"config": config.to_dict(), "world_size": world_size,
+        resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         print(json.dumps(resolved, indent=2))
         return 0
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    tokenizer = manifest["tokenizer"]
-    return run_to_completion(lambda: Trainer(config, tokenizer["path"]).run(tokenizer["sha256"]))
-
-
-def run_to_completion(run) -> int:
-    """Run a loop on every rank and close the process groups; a configuration or checkpoint problem that only
-    shows once the run is set up (a checkpoint of another model, say) exits 2 with its one-line reason."""
-    from megatron_mimesis.checkpoint.reader import CheckpointError
-
     try:
-        status = run()
-    except (ConfigError, CheckpointError) as exc:
+        config.check_save_dir()  # before any work that a save directory without room would lose
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    announce(resuming)
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    tokenizer = manifest["tokenizer"]
+    return run_to_completion(lambda: Trainer(config, tokenizer["path"]).run(tokenizer["sha256"]), config.log_dir)
+
+
+def announce(line: str | None) -> None:
+    """A line about the run as a whole (where it starts), once: on rank 0."""
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def run_to_completion(run, log_dir: str | Path) -> int:
+    """Run a loop on every rank and close the process groups.
+
+    An error ends the rank at once, its helper processes with it (:func:`megatron_mimesis.failures.exit_now`), and
+    is reported in one line. A configuration or checkpoint problem that only shows once the run is set up (a
+    checkpoint of another model, say) exits 2 with its reason; a failed save exits 1 with the failing rank's reason.
+    Every rank meets those two alike, so rank 0 reports them. Anything else exits 1, each rank naming its own error
+    and its root cause, the traceback kept in ``log_dir/error-rank{R}.txt``.
+    """
+    try:
+        status = run()
+    except (Exception, KeyboardInterrupt) as exc:
+        _report_and_exit(exc, Path(log_dir))
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def _report_and_exit(exc: BaseException, log_dir: Path):
+    from megatron_mimesis.checkpoint.reader import CheckpointError
+    from megatron_mimesis.checkpoint.trainer_state import CheckpointSaveError
+    from megatron_mimesis.failures import exit_now, one_line
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    expected = isinstance(exc, ConfigError | CheckpointError)
+    alike = expected or isinstance(exc, CheckpointSaveError)
+    line = str(exc) if alike else one_line(exc)
+    if not expected:
+        path = log_dir / f"error-rank{rank}.txt"
+        text = "".join(traceback.format_exception(exc))
+        try:
+            path.write_text(text)
+            line += f" (traceback: {path})"
+        except OSError:
+            print(text, file=sys.stderr, end="")
+    if rank == 0 or not alike:
+        print(f"error: {f'rank {rank}: ' if world_size > 1 and not alike else ''}{line}", file=sys.stderr)
+    exit_now(2 if expected else 1)
 
 
 if __name__ == "__main__":

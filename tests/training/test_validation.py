@@ -86,15 +86,36 @@ def _checkpoint(root, iteration=5, train=None, **run_config):
     return root
 
 
-def test_a_fresh_run_into_a_save_directory_with_checkpoints_is_refused_unless_asked(tmp_path):
-    save = _checkpoint(tmp_path / "ckpt")
-    config = TrainConfig(data_path=str(tmp_path), save=str(save))
-    with pytest.raises(ConfigError, match=r"already holds checkpoints \(latest: iteration 5\); resume with --load"):
-        config.validate(1)
-    config.replace(overwrite_save=True).validate(1)
-    config.replace(load=str(save)).validate(1)
+@pytest.mark.parametrize("start", [
+    {"pretrained_hf": "HF"},  # midtrain_9b (PRETRAINED_HF), rl_agent_9b.yaml
+    {"load": "SOURCE", "finetune": True},  # sft_9b.yaml, rl_simulator_9b.yaml
+    {"pretrained_hf": "HF", "load": "", "finetune": False},  # sft_9b.yaml's documented start from an HF export
+    {},
+], ids=["pretrained_hf", "load-finetune", "sft-from-hf", "fresh"])
+def test_a_save_directory_holding_a_checkpoint_is_resumed_whatever_the_starting_weights(tmp_path, start):
+    (tmp_path / "HF").mkdir()
+    source = _checkpoint(tmp_path / "SOURCE", iteration=3)
+    paths = {"HF": str(tmp_path / "HF"), "SOURCE": str(source)}
+    start = {k: paths.get(v, v) for k, v in start.items()}
+    save = tmp_path / "ckpt"
+    config = TrainConfig(data_path=str(tmp_path), save=str(save), **start)
+    assert config.resolve_start() == (config, None)  # nothing saved yet: starts as configured
+    config.validate(1)
+    _checkpoint(save, train=config.to_dict())
+    resumed, line = config.resolve_start()
+    assert (resumed.load, resumed.finetune, resumed.pretrained_hf) == (str(save), False, None)
+    configured = " and ".join([f"pretrained_hf {start.get('pretrained_hf')}"] * bool(start.get("pretrained_hf"))
+                              + [f"the weights of {source}"] * bool(start.get("finetune")))
+    assert line == f"resuming from {save} (iteration 5)" + (
+        f", not from {configured} as configured: a save directory holding a checkpoint is resumed (--overwrite-save "
+        f"starts over)" if configured else "")
+    resumed.validate(1)
+    assert config.replace(overwrite_save=True).resolve_start()[1] is None  # starts over, as configured
+    with pytest.raises(ConfigError, match=rf"^save: {save}/iter_0000005 was saved by a run with other schedule "
+                                          r"options \(train_iters 200 -> 400\): .* or pass --overwrite-save"):
+        config.replace(train_iters=400).resolve_start()[0].validate(1)
     help_text = " ".join(build_arg_parser().format_help().split())
-    assert "--overwrite-save, --no-overwrite-save let a fresh run (no --load) write into a save directory" in help_text
+    assert "--overwrite-save, --no-overwrite-save start over in a save directory that already holds" in help_text
 
 
 def test_resume_with_another_schedule_is_refused_with_the_reason(tmp_path):
