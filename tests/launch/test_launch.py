@@ -1,88 +1,20 @@
 """launch/*.sh against a fake SLURM (scontrol, srun on PATH) and a machine without GPUs; nothing is trained."""
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from tests.checkpoints import small_checkpoint
+from tests.launch.slurm import FAKE_SRUN_WAITING, JOB_ID, MASTER_PORT, REPO, run, slurm_env, trainer_json, write_exe
 
-REPO = Path(__file__).resolve().parents[2]
-JOB_ID = 4242
-MASTER_PORT = 20000 + JOB_ID % 40000
-
-FAKE_SCONTROL = """#!/bin/bash
-if [[ "$1 $2" == "show hostnames" ]]; then printf 'node001\\nnode002\\nnode003\\nnode004\\n'; exit 0; fi
-echo "$*" >> "$FAKE_LOG/scontrol"
-"""
-# Records its arguments, then runs the per-node command as node 3 would (SLURM_NODEID=3).
-FAKE_SRUN = """#!/bin/bash
-printf '%s\\n' "$@" > "$FAKE_LOG/srun"
-SLURM_NODEID=3 bash -c "${@: -1}"
-"""
-# Waits for SIGUSR1 the way a running job step would, and records that it got it.
-FAKE_SRUN_WAITING = """#!/bin/bash
-trap 'echo USR1 >> "$FAKE_LOG/srun_signals"; exit 0' USR1
-touch "$FAKE_LOG/srun_started"
-while true; do sleep 0.05; done
-"""
 # Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
 FAKE_PYTHON = f"""#!/bin/bash
 if [[ "$1 $2" == "-m torch.distributed.run" ]]; then echo "TORCHRUN $*"; exit 0; fi
 exec {sys.executable} "$@"
 """
-
-
-def write_exe(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
-
-
-@pytest.fixture
-def fake(tmp_path):
-    """PATH with fake scontrol/srun and an nvidia-smi that finds no GPU; datasets the trainer accepts."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    write_exe(bin_dir / "scontrol", FAKE_SCONTROL)
-    write_exe(bin_dir / "srun", FAKE_SRUN)
-    write_exe(bin_dir / "nvidia-smi", "#!/bin/sh\nexit 9\n")
-    log = tmp_path / "log"
-    log.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG", "DATA_PATH", "NPROC"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), PYTHON=sys.executable)
-    for name, seq, vocab in (("data9b", 24576, 248320), ("demo", 256, 8192)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "manifest.json").write_text(json.dumps({"seq_length": seq, "tokenizer": {"vocab_size": vocab}}))
-    return tmp_path, env
-
-
-def slurm_env(env, tmp_path):
-    return {
-        **env,
-        "SLURM_JOB_ID": str(JOB_ID),
-        "SLURM_JOB_NODELIST": "node[001-004]",
-        "SLURM_NNODES": "4",
-        "SLURM_NODEID": "0",
-        "SLURM_GPUS_ON_NODE": "8",
-        "SLURM_CPUS_ON_NODE": "64",
-        "DATA_PATH": str(tmp_path / "data9b"),
-    }
-
-
-def run(script, args, env, **kwargs):
-    return subprocess.run(["bash", f"launch/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, **kwargs)
-
-
-def trainer_json(stdout: str) -> dict:
-    return json.loads(stdout[stdout.index("{\n"):])
 
 
 def test_slurm_dry_run_has_paper_layout(fake):
