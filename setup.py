@@ -12,7 +12,8 @@ setup(
     + ["megatron_mimesis.kernels", "megatron_mimesis.tools"]
     + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
     package_dir={"megatron_mimesis.kernels": "kernels", "megatron_mimesis.tools": "tools"},
-    package_data={"megatron_mimesis.rl.agent": ["templates/*.txt"],
+    package_data={"megatron_mimesis.checkpoint": ["*.jinja"],
+                  "megatron_mimesis.rl.agent": ["templates/*.txt"],
                   "megatron_mimesis.eval": ["templates/*.txt", "data/*.yaml"]},
     install_requires=[
         "torch>=2.6",
@@ -46,6 +47,7 @@ setup(
             "mimesis-eval-agent = megatron_mimesis.tools.eval_agent:main",
             "mimesis-eval-simulator = megatron_mimesis.tools.eval_simulator:main",
             "mimesis-bench-convert = megatron_mimesis.tools.bench_convert:main",
+            "mimesis-plan = megatron_mimesis.tools.plan:main",
         ]
     },
     extras_require={

@@ -112,12 +112,15 @@ def _grad_logits_kernel(H, W, TARGET, LSE, DLOGPROB, GRAD_LOGITS, num_tokens, vo
                  mask=row_ok[:, None] & (cols < grad_stride)[None, :])
 
 
-def _chunk_tokens(vocab: int, element_size: int) -> int:
-    """Tokens per backward chunk: about 2 GiB of d logits (4096 tokens at vocab 248320 in bf16), large enough
-    for the GEMMs to run near peak. Under the interpreter 32 tokens, so CPU tests cross chunk boundaries."""
-    if interpreting():
-        return 32
+def backward_chunk_tokens(vocab: int, element_size: int) -> int:
+    """Tokens per backward chunk on a GPU: about 2 GiB of d logits (4096 tokens at vocab 248320 in bf16), large
+    enough for the GEMMs to run near peak (the memory plan reads it too)."""
     return max(256, (2 << 30) // (vocab * element_size) // 256 * 256)
+
+
+def _chunk_tokens(vocab: int, element_size: int) -> int:
+    """:func:`backward_chunk_tokens`; under the interpreter 32 tokens, so CPU tests cross chunk boundaries."""
+    return 32 if interpreting() else backward_chunk_tokens(vocab, element_size)
 
 
 @triton.jit

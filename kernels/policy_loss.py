@@ -21,11 +21,12 @@ def _check_options(loss_agg, cu_seqlens, dual_clip_c):
 
 def fused_linear_policy_loss(hidden, weight, target_ids, loss_mask, old_logprobs, advantages, *,
                              teacher_logprobs=None, csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0,
-                             clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None,
-                             loss_agg="token-mean", cu_seqlens=None, normalizer=None, return_entropy=False,
-                             tp_group=None, vocab_size=None, impl="auto"):
+                             rollout_weights=None, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None,
+                             ratio_upper_clamp=None, loss_agg="token-mean", cu_seqlens=None, normalizer=None,
+                             return_entropy=False, tp_group=None, vocab_size=None, impl="auto"):
     """L_GRPO + csd_alpha * L_CSD (+ kl_coef * KL to ``ref_logprobs``) from hidden [N, H] and the output weight shard [V_local, H], never
-    materialising the [N, V] logits. Returns (loss, metrics); see reference.policy_loss_from_logprobs.
+    materialising the [N, V] logits, with per-token ``rollout_weights`` (rollout correction) on the sampled-token
+    terms. Returns (loss, metrics); see reference.policy_loss_from_logprobs.
 
     Under TP (``tp_group``), ``target_ids`` are global vocab ids, the loss and log-probs equal TP=1, grad_W is
     the local shard's and grad_h is already summed over the group (see linear_logprob.py for how to call it
@@ -40,16 +41,17 @@ def fused_linear_policy_loss(hidden, weight, target_ids, loss_mask, old_logprobs
     logprobs, entropy = linear_logprob(hidden, weight, target_ids, tp_group, vocab_size)
     return reference.policy_loss_from_logprobs(
         logprobs, entropy, loss_mask, old_logprobs, advantages, teacher_logprobs=teacher_logprobs,
-        csd_alpha=csd_alpha, csd_beta=csd_beta, ref_logprobs=ref_logprobs, kl_coef=kl_coef, clip_eps_low=clip_eps_low,
-        clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c, ratio_upper_clamp=ratio_upper_clamp, loss_agg=loss_agg,
-        cu_seqlens=cu_seqlens, normalizer=normalizer, return_entropy=return_entropy)
+        csd_alpha=csd_alpha, csd_beta=csd_beta, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+        rollout_weights=rollout_weights, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+        dual_clip_c=dual_clip_c, ratio_upper_clamp=ratio_upper_clamp, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
+        normalizer=normalizer, return_entropy=return_entropy)
 
 
 def policy_loss_from_logits(logits, target_ids, loss_mask, old_logprobs, advantages, *, teacher_logprobs=None,
-                            csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0, clip_eps_low=0.2,
-                            clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None, loss_agg="token-mean",
-                            cu_seqlens=None, normalizer=None, return_entropy=False, tp_group=None, vocab_size=None,
-                            impl="auto"):
+                            csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0, rollout_weights=None,
+                            clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None,
+                            loss_agg="token-mean", cu_seqlens=None, normalizer=None, return_entropy=False,
+                            tp_group=None, vocab_size=None, impl="auto"):
     """The same objective from materialised (vocab-sharded) logits [N, V_local]; the gradient is d logits."""
     _check_options(loss_agg, cu_seqlens, dual_clip_c)
     tp_group = tensor_parallel_group(tp_group)
@@ -61,6 +63,7 @@ def policy_loss_from_logits(logits, target_ids, loss_mask, old_logprobs, advanta
         logprobs, entropy = reference.logprob_and_entropy_from_logits(logits, target_ids, tp_group, vocab_size)
     return reference.policy_loss_from_logprobs(
         logprobs, entropy, loss_mask, old_logprobs, advantages, teacher_logprobs=teacher_logprobs,
-        csd_alpha=csd_alpha, csd_beta=csd_beta, ref_logprobs=ref_logprobs, kl_coef=kl_coef, clip_eps_low=clip_eps_low,
-        clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c, ratio_upper_clamp=ratio_upper_clamp, loss_agg=loss_agg,
-        cu_seqlens=cu_seqlens, normalizer=normalizer, return_entropy=return_entropy)
+        csd_alpha=csd_alpha, csd_beta=csd_beta, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+        rollout_weights=rollout_weights, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+        dual_clip_c=dual_clip_c, ratio_upper_clamp=ratio_upper_clamp, loss_agg=loss_agg, cu_seqlens=cu_seqlens,
+        normalizer=normalizer, return_entropy=return_entropy)

@@ -10,6 +10,10 @@ import torch
 import torch.distributed as dist
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+ROLLOUT_CORRECTIONS = ("off", "tis", "mis")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+# |log ratio| bound before exp (veRL's safety bound): a token the engine gave -inf cannot make an inf weight
+LOG_RATIO_BOUND = 20.0
 
 
 class _AllReduceForwardIdentityBackward(torch.autograd.Function):
@@ -165,10 +169,18 @@ def masked_mean(values, loss_mask):
 
 
 def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advantages, *, teacher_logprobs=None,
-                              csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0, clip_eps_low=0.2,
-                              clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None, loss_agg="token-mean",
-                              cu_seqlens=None, normalizer=None, return_entropy=False):
+                              csd_alpha=0.0, csd_beta=5.0, ref_logprobs=None, kl_coef=0.0, rollout_weights=None,
+                              clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, ratio_upper_clamp=None,
+                              loss_agg="token-mean", cu_seqlens=None, normalizer=None, return_entropy=False):
     """L_GRPO + alpha L_CSD (+ kl_coef KL to a reference) from per-token student log-probs, plus detached metrics.
+
+    ``rollout_weights`` (detached, per token; see :func:`rollout_correction_weights`) multiply the terms that are
+    Monte-Carlo means over the tokens the rollout engine sampled: the GRPO surrogate, whose samples should come
+    from pi_old, and CSD's gated log-likelihood -g l, an expectation over the same samples. The CSD gate itself
+    takes no weight: it compares the teacher's and the student's log-prob of one given token, no expectation over
+    samples, and weighting it would change which tokens the teacher is said to like. The reference KL takes none
+    either (a k3 regulariser, not an unbiased gradient estimate, unweighted in veRL and slime too); nor do the
+    metrics, which describe the tokens as sampled. ``None`` leaves the objective exactly as without correction.
 
     The KL term (with ``ref_logprobs``) is the k3 estimator of KL(new || ref) per token, exp(d) - d - 1 with
     d = ref - new clamped to [-20, 20] and the result to at most 10, as veRL's "low_var_kl": unbiased, always
@@ -184,6 +196,9 @@ def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advant
     per_token = grpo_per_token_loss(logprobs, old_logprobs, advantages, clip_eps_low=clip_eps_low,
                                     clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c,
                                     ratio_upper_clamp=ratio_upper_clamp)
+    if rollout_weights is not None:
+        rollout_weights = _fp32_or_wider(rollout_weights).detach()
+        per_token = per_token * rollout_weights
     pg_loss = aggregate(per_token, loss_mask, loss_agg, cu_seqlens, normalizer)
     loss = pg_loss
     with torch.no_grad():
@@ -197,7 +212,10 @@ def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advant
         }
     if teacher_logprobs is not None:
         gate = csd_gate(logprobs, _fp32_or_wider(teacher_logprobs), csd_beta)
-        csd_loss = aggregate(-gate * logprobs, loss_mask, loss_agg, cu_seqlens, normalizer)
+        gated_nll = -gate * logprobs
+        if rollout_weights is not None:
+            gated_nll = gated_nll * rollout_weights
+        csd_loss = aggregate(gated_nll, loss_mask, loss_agg, cu_seqlens, normalizer)
         loss = loss + csd_alpha * csd_loss
         metrics["csd_loss"] = csd_loss.detach()
         metrics["mean_gate"] = masked_mean(gate, loss_mask)
@@ -212,6 +230,64 @@ def policy_loss_from_logprobs(logprobs, entropy, loss_mask, old_logprobs, advant
     if return_entropy:
         metrics["entropy"] = entropy.detach()
     return loss, metrics
+
+
+def rollout_correction_weights(trainer_logprobs, engine_logprobs, sequence_ids, *, mode, level, cap):
+    """Per-token weights that turn a mean over the engine's samples into one over the trainer's, and the mismatch.
+
+    The rollout engine (vLLM: bf16 kernels, its own attention and recurrent DeltaNet decode) samples token y_t from
+    pi_engine, while the update's old log-prob o_t is the trainer's own (pi_old). Every sampled-token mean in the
+    loss is then biased by rho_t = pi_old(y_t) / pi_engine(y_t) = exp(o_t - e_t), e_t the engine's log-prob.
+    ``level="token"`` takes rho_t per token; ``"sequence"`` the geometric mean over the token's sequence (one row,
+    one generation: exp of the mean log ratio), which does not vanish or explode with length as the product would.
+    log rho is bounded to +-LOG_RATIO_BOUND first.
+
+    ``mode``: "tis" (truncated IS): w = min(rho, cap), every token kept, the variance bounded by cap; "mis" (masked
+    IS): w = rho inside [1/cap, cap] and 0 outside, a 0 being a rejected token that leaves the loss (the caller
+    drops it from the loss mask, so it does not count in the token mean either); "off": w = 1, the statistics only.
+    Where engine and trainer agree (o = e), rho = exp(0) = 1 exactly, so the weights are exactly 1.
+
+    ``trainer_logprobs``, ``engine_logprobs``: [N] over the sampled tokens only; ``sequence_ids``: [N] the sequence
+    each belongs to (0..S-1). Returns (weights [N] in the inputs' dtype, metrics): the k3 estimate of
+    KL(engine || trainer) (``engine_kl``), mean and max |o - e| (``engine_logprob_abs_diff``, ``_max``), rho's mean /
+    min / max (``is_ratio_*``), the weights' mean, and the share of tokens truncated (tis: rho > cap) or masked
+    (mis) as ``is_truncated_frac`` / ``is_masked_frac``.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"mode must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(f"level must be one of {ROLLOUT_CORRECTION_LEVELS}, got {level!r}")
+    if not cap > 1.0:
+        raise ValueError(f"cap must be > 1, got {cap}")
+    diff = trainer_logprobs - engine_logprobs
+    log_ratio = diff
+    if level == "sequence":
+        num_sequences = int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0
+        sums = diff.new_zeros(num_sequences).index_add(0, sequence_ids, diff)
+        counts = diff.new_zeros(num_sequences).index_add(0, sequence_ids, torch.ones_like(diff))
+        log_ratio = (sums / counts.clamp(min=1.0))[sequence_ids]
+    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    if mode == "tis":
+        weights = ratio.clamp(max=cap)
+    elif mode == "mis":
+        weights = torch.where((ratio >= 1.0 / cap) & (ratio <= cap), ratio, 0.0)
+    else:
+        weights = torch.ones_like(ratio)
+    if not diff.numel():
+        return weights, {}
+    bounded = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    metrics = {
+        "engine_kl": (bounded.exp() - bounded - 1.0).mean(),
+        "engine_logprob_abs_diff": diff.abs().mean(),
+        "engine_logprob_abs_diff_max": diff.abs().max(),
+        "is_ratio_mean": ratio.mean(), "is_ratio_min": ratio.min(), "is_ratio_max": ratio.max(),
+        "is_weight_mean": weights.mean(),
+    }
+    if mode == "tis":
+        metrics["is_truncated_frac"] = (ratio > cap).float().mean()
+    elif mode == "mis":
+        metrics["is_masked_frac"] = (weights == 0).float().mean()
+    return weights, metrics
 
 
 def cross_entropy_from_logprobs(logprobs, loss_mask, normalizer=None):

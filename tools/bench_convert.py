@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from data_prep.tokenizer import train_bpe
 from megatron_mimesis.models.hf_io import LazyHFState, ShardedSafetensorsWriter, safetensors_files
 from megatron_mimesis.models.presets import PRESETS, get_preset
 
@@ -52,7 +53,8 @@ def write_synthetic_hf(directory: Path, preset_name: str, layers: int, dtype: st
         del values
     writer.close()
     config.save_pretrained(directory)
-    (directory / "tokenizer.json").write_text("{}")
+    # an export is a servable simulator, whose chat template and stop ids are made of the chat special tokens
+    train_bpe(["a synthetic checkpoint with a real tokenizer"], 300, directory)
     return sum(s.numel() for s in shapes.values())
 
 

@@ -4,6 +4,11 @@
     python tools/convert_checkpoint.py export --load DIR [--iteration N] --out DIR [--hf-reference DIR]
         [--tokenizer DIR] [--dtype bf16] [--max-shard-size-gb 2] [--overwrite]
 
+The export serves as a user simulator as it is (``vllm serve OUT``, no ``--chat-template``): it carries a chat
+template that renders a request in the user-simulator convention (system, the agent as ``user``, the simulator's
+own turns as ``assistant``, as tau2-bench sends) into the user-side rendering the model was trained on, and the
+generation config of the recipe (megatron_mimesis/checkpoint/serving.py).
+
 Exit status 0 on success, 2 with a one-line reason on bad input.
 """
 

@@ -11,8 +11,10 @@ simulator served, e.g. ``vllm serve`` of an export; without: a chat model playin
 ``python -m data_prep.midtrain`` reads and renders them (default: the embedded chit-chat corpus's valid split,
 which the demo never trains on). Per simulator, with 95% bootstrap intervals over conversations: the likelihood
 of the human turns (NLL/token, bits/byte), LLM-free behaviour statistics of its own turn at every human-turn
-position against the human's, and optionally a judge's Turing distance and behaviour Dice, and the success-rate
-gap and ECE of one agent against it on tasks with known real-user outcomes.
+position against the human's, the four τ-USI dimensions (megatron_mimesis/eval/usi.py), and optionally a judge's
+Turing distance and behaviour Dice (the MIMESIS paper's 13 behaviours by default), and the success-rate gap, the
+per-task ECE, τ-USI's 5-bin difficulty ECE and τ-USI itself from one agent's episodes against it on tasks with
+known real-user outcomes.
 
 Writes table.md, table.csv, results.json, items.jsonl, lengths.png and metrics.png to DIR (and cache.jsonl,
 which ``--resume`` continues from). Exit status 0 on success, 2 with a one-line reason on bad input.
@@ -47,6 +49,7 @@ from megatron_mimesis.eval.evaluation import (
     add_judgements,
     add_likelihood,
     calibrate,
+    calibrate_difficulty,
     human_observations,
     label_humans,
     metric_table,
@@ -59,6 +62,7 @@ from megatron_mimesis.eval.simulators import Settings, SpecError, build, parse_s
 from megatron_mimesis.rl.envs import ENVS, build_suite
 
 CACHE = "cache.jsonl"
+INTERNAL_FIELDS = ("unigrams", "bigrams", "usi", "human_usi")  # per-turn inputs of the metrics, not for items.jsonl
 REPLY_BATCH = 16  # positions per request batch: the cache is written after each
 
 
@@ -223,7 +227,8 @@ def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:
         agent = build_agent(agent_spec, args.seed, args.request_timeout, args.concurrency)
         episode_settings = EpisodeSettings(args.max_agent_turns, args.agent_max_new_tokens, 0.0, True, args.trials,
                                            args.seed)
-        human.calibration = {"success_rate": sum(real.values()) / len(real), "gap": 0.0, "ece": None}
+        human.calibration = {"success_rate": sum(real.values()) / len(real), "gap": 0.0, "ece": None,
+                             "ece_difficulty": None}
     with tempfile.TemporaryDirectory(prefix="eval-simulator-") as workdir:
         for spec in specs:
             simulator = build(spec, settings, Path(workdir))
@@ -240,6 +245,8 @@ def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:
                                      args.success_reward, progress)
             rows.append(row)
             del simulator
+    if calibration:
+        calibrate_difficulty(rows, real)
     cache.close()
     return write_outputs(args, rows, held_out, taxonomy if judge else None, bool(judge), calibration, records)
 
@@ -250,7 +257,9 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
                          "likelihood_tokens": sum(t["tokens"] for t in row.likelihood),
                          "generation_errors": dict(row.generation_errors), "judge_errors": dict(row.judge_errors),
                          "overlong_turns": row.overlong_turns, "likelihood_note": row.likelihood_note,
-                         "unscored_tasks": (row.calibration or {}).get("unscored_tasks", 0)} for row in rows}
+                         "unscored_tasks": (row.calibration or {}).get("unscored_tasks", 0),
+                         "tasks": len(calibration[0]) if calibration else 0,
+                         "difficulty_tasks": (row.calibration or {}).get("difficulty_tasks")} for row in rows}
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     results = {"config": config, "positions": len(held_out.positions), "renderings": len(held_out.renderings),
                "conversations": len({c.id for c, _, _ in held_out.renderings}),
@@ -264,7 +273,7 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
         for row in rows:
             nll = {o["key"]: o for o in row.likelihood}
             for o in row.observations:
-                item = {"row": row.name, **{k: v for k, v in o.items() if k not in ("unigrams", "bigrams")}}
+                item = {"row": row.name, **{k: v for k, v in o.items() if k not in INTERNAL_FIELDS}}
                 item.update({k: nll[o["key"]][k] for k in ("nll", "tokens", "bytes")} if o["key"] in nll else {})
                 items.write(json.dumps(item, ensure_ascii=False) + "\n")
         for record in records:

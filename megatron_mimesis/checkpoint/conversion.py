@@ -5,8 +5,9 @@ group), turned into its HF tensors and appended to a size-bounded safetensors sh
 about one layer plus one output shard. With the original ``Qwen3_5ForConditionalGeneration`` directory as
 reference, the output keeps its architecture, config and key names (``model.language_model.*``) and the
 vision tower and MTP weights are copied unchanged; without it, the output is a text-only
-``Qwen3_5ForCausalLM``. Import streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor is
-read, mapped and written into a weights-only dist checkpoint that the trainer loads at any layout with
+``Qwen3_5ForCausalLM``. Either way the export is a servable user simulator (:mod:`.serving`: its chat template,
+generation config and token ids). Import streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor
+is read, mapped and written into a weights-only dist checkpoint that the trainer loads at any layout with
 ``--load DIR --finetune``. Both write into a temporary directory renamed at the end.
 """
 
@@ -19,9 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data_prep.tokenizer import ENDOFTEXT
 from megatron_mimesis.checkpoint.hf_import import import_worker
 from megatron_mimesis.checkpoint.integrity import record_files
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, DistCheckpointReader
+from megatron_mimesis.checkpoint.serving import make_servable, special_token_ids
 from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
 from megatron_mimesis.models.mapping import qwen35_mapping
 from megatron_mimesis.models.presets import Qwen35Preset
@@ -102,11 +105,13 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
             for name in tqdm(sorted(ref_state.other), desc="copy vision/MTP", disable=not progress):
                 writer.add(name, ref_state.read_other(name))
         writer.close()
-        _write_configs(tmp, preset, ref_config, reference, dtype)
         source = _tokenizer_source(reader, reference, tokenizer)
         if source is None:
             raise ConversionError(f"{reader.dir}: no tokenizer saved with the checkpoint; pass --tokenizer DIR")
         _copy_tokenizer(source, tmp)
+        special = special_token_ids(tmp)
+        _write_model_config(tmp, preset, ref_config, dtype, special)
+        make_servable(tmp, reader.run_config, special)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,18 +128,15 @@ def _copy_tokenizer(source: Path, dest: Path) -> None:
         shutil.copy2(source / name, dest / name)
 
 
-def _write_configs(out: Path, preset: Qwen35Preset, ref_config: dict | None, reference: Path | None,
-                   dtype: str) -> None:
+def _write_model_config(out: Path, preset: Qwen35Preset, ref_config: dict | None, dtype: str,
+                        special: dict[str, int]) -> None:
+    """The reference's config.json as it is, else the preset's with the token ids a released Qwen3.5 carries."""
     if ref_config is not None:
         (out / "config.json").write_text(json.dumps(ref_config, indent=2))
-        if (reference / "generation_config.json").exists():
-            shutil.copy2(reference / "generation_config.json", out / "generation_config.json")
         return
-    config = preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype=str(DTYPES[dtype]).removeprefix("torch."))
-    config.save_pretrained(out)
-    from transformers import GenerationConfig
-
-    GenerationConfig.from_model_config(config).save_pretrained(out)
+    preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype=str(DTYPES[dtype]).removeprefix("torch."),
+                        bos_token_id=special[ENDOFTEXT], eos_token_id=special[ENDOFTEXT],
+                        pad_token_id=None).save_pretrained(out)
 
 
 def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, dtype: str = "bf16",

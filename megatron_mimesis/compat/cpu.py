@@ -166,6 +166,8 @@ CPU_NOTICES = (
     "The .grad attribute of a Tensor that is not a leaf Tensor",  # megatron-core's DDP inspecting its buffers
     "`torch.distributed.reduce_scatter_tensor` is deprecated",  # megatron-core's collectives
     "`torch.distributed.all_gather_into_tensor` is deprecated",
+    # megatron-core's sequence-parallel hint for GPUs, which the launchers follow there (launch/common.sh)
+    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
 )
 # logger name -> message prefix of the logged notices of the same kind
 CPU_LOG_NOTICES = {
@@ -199,10 +201,12 @@ def cuda_is_usable() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
-def enable_cpu_compat(force: bool = False) -> bool:
+def enable_cpu_compat(force: bool = False, announce: bool = True) -> bool:
     """Make megatron-core usable on this CPU-only process; returns whether the adaptation is active.
 
-    A no-op when CUDA is usable, unless ``force`` (tests of the adaptation itself). Safe to call many times.
+    A no-op when CUDA is usable, unless ``force`` (tests of the adaptation itself, and the memory plan, which
+    measures on the CPU on any machine). ``announce``: say so in one line on rank 0 (a plan is no CPU run, and its
+    refusal must stay one line). Safe to call many times.
     """
     global _enabled
     with _lock:
@@ -219,7 +223,7 @@ def enable_cpu_compat(force: bool = False) -> bool:
         install_fla_fallback()
         _CudaToCpuMode().__enter__()  # process-wide: stays pushed for the life of the process
         _enabled = True
-        if os.environ.get("RANK", "0") == "0":
+        if announce and os.environ.get("RANK", "0") == "0":
             print(CPU_NOTICE, file=sys.stderr)
         return True
 

@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from megatron_mimesis.eval import metrics as M
+from megatron_mimesis.eval import usi
 from megatron_mimesis.eval.behaviour import features
 from megatron_mimesis.eval.cache import cache_key
-from megatron_mimesis.eval.calibration import calibration_row
+from megatron_mimesis.eval.calibration import calibration_row, task_difficulty, trial_difficulty_ece
 from megatron_mimesis.eval.likelihood import LikelihoodUnavailable, score_renderings
 from megatron_mimesis.eval.simulators import Reply
+from megatron_mimesis.eval.usi import turn_signals
 
 HUMAN = "human"
 
@@ -37,8 +39,9 @@ class RowResult:
 
 
 def human_observations(positions) -> list[dict]:
-    return [{"unit": p.conversation, "key": p.key, "text": p.human,
-             "ended": p.human_ended, "human_words": None, **features(p.human, p.last_assistant)} for p in positions]
+    return [{"unit": p.conversation, "key": p.key, "text": p.human, "ended": p.human_ended, "human_words": None,
+             "usi": (signals := turn_signals(p.human)), "human_usi": signals, **features(p.human, p.last_assistant)}
+            for p in positions]
 
 
 def replies(simulator, spec_key: dict, positions, cache, seed: int, batch: int, progress: bool) -> list[Reply]:
@@ -65,6 +68,7 @@ def simulator_observations(row: RowResult, positions, answers: list[Reply]) -> N
             continue
         row.observations.append({"unit": position.conversation, "key": position.key, "text": reply.text,
                                  "ended": reply.ended, "human_words": len(features(position.human, "")["unigrams"]),
+                                 "usi": turn_signals(reply.text), "human_usi": turn_signals(position.human),
                                  **features(reply.text, position.last_assistant)})
 
 
@@ -129,26 +133,43 @@ def label_humans(human: RowResult, judge, positions_by_key, progress: bool) -> N
 
 def metric_table(rows: list[RowResult], taxonomy: dict | None, judged: bool, n_boot: int, seed: int) -> dict:
     """{row: {metric name: {"value", "low", "high"}}} for every metric that applies to the run."""
-    chosen = {**M.LIKELIHOOD, **M.BEHAVIOUR}
+    chosen = {**M.LIKELIHOOD, **M.BEHAVIOUR, **M.USI}
     if judged:
         chosen.update(M.TURING)
         if taxonomy:
             chosen.update(M.dice_metrics(list(taxonomy)))
+    against_humans = {"turing_distance", *(m.name for m in M.USI)}  # undefined for the humans' own row
     table = {}
     for row in rows:
         cells = {}
         for metric, fn in chosen.items():
-            if row.name == HUMAN and metric.name in ("length_distance", "turing_distance"):
-                value = (0.0, None, None) if metric.name == "length_distance" else (None, None, None)
+            if row.name == HUMAN and metric.name == "length_distance":
+                value = (0.0, None, None)
+            elif row.name == HUMAN and metric.name in against_humans:
+                value = (None, None, None)
             else:
                 obs = row.likelihood if metric.group == "likelihood" else row.observations
                 value = M.bootstrap(obs, fn, n_boot, seed)
             cells[metric.name] = dict(zip(("value", "low", "high"), value, strict=True))
         if row.calibration is not None:
-            for name in ("success_rate", "gap", "ece"):
-                cells[name] = {"value": row.calibration[name], "low": None, "high": None}
+            for name in ("success_rate", "gap", "ece", "ece_difficulty"):
+                cells[name] = {"value": row.calibration.get(name), "low": None, "high": None}
+            dimensions = [cells[m.name]["value"] for m in M.USI]
+            ece = row.calibration.get("ece_difficulty")
+            cells["tau_usi"] = {"value": None if ece is None or None in dimensions else usi.tau_usi(dimensions, ece),
+                                "low": None, "high": None}
         table[row.name] = cells
     return {"metrics": [asdict(m) for m in chosen], "cells": table}
+
+
+def calibrate_difficulty(rows: list[RowResult], real: dict) -> None:
+    """τ-USI's difficulty-binned ECE of every simulator row, once all of them have played: a task's difficulty is
+    pooled over them all."""
+    simulated = [row for row in rows if row.name != HUMAN and row.calibration is not None]
+    difficulty = task_difficulty([row.calibration["trial_success"] for row in simulated])
+    for row in simulated:
+        row.calibration["ece_difficulty"] = trial_difficulty_ece(row.calibration["trial_success"], real, difficulty)
+        row.calibration["difficulty_tasks"] = sum(t in difficulty for t in real)
 
 
 def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, success_reward: float,

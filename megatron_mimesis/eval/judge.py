@@ -142,7 +142,7 @@ class Judge:
         """{"labels": [...]} or {"error"}."""
         behaviours = "\n".join(f"- {name}: {description}" for name, description in self.taxonomy.items())
         prompt = self.labels_template.format(behaviours=behaviours, context=render_context(position.context),
-                                             message=text)
+                                             message=text, example=next(iter(self.taxonomy)))
         result = self._ask(prompt)
         if "error" in result:
             return result

@@ -1,21 +1,28 @@
-"""Every metric of the table as a function of one row's per-position observations, with bootstrap intervals.
+"""Every metric of the table as a statistic of one row's per-position observations, with bootstrap intervals.
 
 An observation is one held-out position seen from one row (a simulator, or the humans themselves): the features
 of that row's turn there, the human's word count there, and, where measured, the turn's NLL, the judge's Turing
 credit and behaviour labels. A metric is undefined (None, "n/a") when no observation carries what it needs.
 
-Confidence intervals resample *conversations* (percentile bootstrap over rendering units, ``n`` replicates,
-seeded): turns of one conversation are not independent, and resampling them alone would make the intervals too
-narrow.
+A metric is a :class:`Statistic`: what one conversation contributes (``per_conversation``, computed once) and how
+the contributions of a sample of conversations make the metric (``combine``). Confidence intervals resample
+*conversations* (percentile bootstrap over rendering units, ``n`` replicates, seeded): turns of one conversation
+are not independent, and resampling them alone would make the intervals too narrow. A conversation drawn k times
+in a replicate counts as k conversations: its contribution enters the sample k times, so a per-conversation
+metric (distinct-n, the τ-USI dimensions) never sees a repeated conversation as one longer one.
 """
 
 import math
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.stats import wasserstein_distance
+
+from megatron_mimesis.eval import usi
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,28 @@ class Metric:
     label: str  # the table's column header
     group: str  # likelihood | behaviour | judged | calibration
     what: str  # one line for the report
+
+
+@dataclass(frozen=True)
+class Statistic:
+    per_conversation: Callable[[list[dict]], Any]  # one conversation's observations -> its contribution
+    combine: Callable[[list[Any]], float | None]  # contributions of a sample of conversations -> the metric
+
+    def __call__(self, obs: list[dict]) -> float | None:
+        return self.combine([self.per_conversation(g) for g in conversations(obs)])
+
+
+def pooled(fn: Callable[[list[dict]], float | None]) -> Statistic:
+    """A metric of all the sample's observations together."""
+    return Statistic(lambda group: group, lambda groups: fn([o for g in groups for o in g]))
+
+
+def conversations(obs: list[dict]) -> list[list[dict]]:
+    """Observations grouped by conversation (rendering unit), in order of first appearance."""
+    units = defaultdict(list)
+    for o in obs:
+        units[o["unit"]].append(o)
+    return list(units.values())
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -62,19 +91,15 @@ def _rate(field):
     return rate
 
 
-def _distinct(field):
-    """Distinct n-grams / n-grams within each conversation, averaged over conversations: a per-conversation
-    mean, so resampling conversations leaves it unbiased (pooled over a resample, duplicated conversations
-    would count as repetition)."""
+def _distinct(field) -> Statistic:
+    """Distinct n-grams / n-grams within each conversation, averaged over conversations: a per-conversation mean,
+    so resampling conversations leaves it unbiased."""
 
-    def distinct(obs):
-        units = defaultdict(list)
-        for o in obs:
-            if o.get(field) is not None:
-                units[o["unit"]].extend(o[field])
-        return _mean(len(set(grams)) / len(grams) for grams in units.values() if grams)
+    def ratio(group):
+        grams = [g for o in group if o.get(field) is not None for g in o[field]]
+        return len(set(grams)) / len(grams) if grams else None
 
-    return distinct
+    return Statistic(ratio, _mean)
 
 
 def mean_words(obs):
@@ -104,47 +129,68 @@ def dice(behaviour: str):
     return score
 
 
+def usi_dimension(dimension: str) -> Statistic:
+    """A τ-USI dimension (:mod:`.usi`): the Dice x 100 of the row's mean per-conversation features against the
+    humans' at the same positions. Undefined for the humans' own row."""
+
+    def pair(group):
+        own = usi.conversation_features([o["usi"] for o in group])
+        human = usi.conversation_features([o["human_usi"] for o in group])
+        return None if own is None or human is None else (own, human)
+
+    def combine(pairs):
+        pairs = [p for p in pairs if p is not None]
+        if not pairs:
+            return None
+        return usi.dimension_score(dimension, usi.feature_row([o for o, _ in pairs]),
+                                   usi.feature_row([h for _, h in pairs]))
+
+    return Statistic(pair, combine)
+
+
 LIKELIHOOD = {
     Metric("nll_per_token", "NLL/token", "likelihood", "teacher-forced NLL of the human's turns, nats per token"):
-        nll_per_token,
+        pooled(nll_per_token),
     Metric("bits_per_byte", "bits/byte", "likelihood", "the same NLL in bits per UTF-8 byte of the human's text"):
-        bits_per_byte,
+        pooled(bits_per_byte),
 }
 BEHAVIOUR = {
     Metric("length_distance", "length dist.", "behaviour", "earth mover's distance of turn lengths to the humans', "
-                                                           "words"): length_distance,
-    Metric("mean_words", "words/turn", "behaviour", "mean turn length in words"): mean_words,
-    Metric("question_rate", "questions", "behaviour", "share of turns with a question mark"): _rate("question"),
-    Metric("end_rate", "ends", "behaviour", "share of turns that end the conversation"): _rate("ended"),
+                                                           "words"): pooled(length_distance),
+    Metric("mean_words", "words/turn", "behaviour", "mean turn length in words"): pooled(mean_words),
+    Metric("question_rate", "questions", "behaviour", "share of turns with a question mark"):
+        pooled(_rate("question")),
+    Metric("end_rate", "ends", "behaviour", "share of turns that end the conversation"): pooled(_rate("ended")),
     Metric("distinct_1", "distinct-1", "behaviour", "distinct words / words in a conversation's turns, mean over conversations"): _distinct("unigrams"),
     Metric("distinct_2", "distinct-2", "behaviour", "the same for word bigrams"):
         _distinct("bigrams"),
     Metric("copy_rate", "copying", "behaviour", "share of a turn's word bigrams found in the other side's last "
-                                                "turn"): copy_rate,
+                                                "turn"): pooled(copy_rate),
     Metric("assistant_rate", "assistant-like", "behaviour", "share of turns with markdown lists/headers/bold, "
-                                                            "service openers or sign-offs"): _rate("assistant_like"),
+                                                            "service openers or sign-offs"):
+        pooled(_rate("assistant_like")),
 }
+USI = {Metric(f"usi_{name}", f"{name[:2]} {usi.DIMENSION_NAMES[name]}", "usi",
+              f"τ-USI {usi.DIMENSION_NAMES[name]} dimension: Dice x 100 of its features against the human turns"):
+       usi_dimension(name) for name in usi.DIMENSIONS}
 TURING = {Metric("turing_distance", "Turing dist.", "judged", "|judge accuracy at spotting the human - 50|, "
-                                                              "points"): turing_distance}
+                                                              "points"): pooled(turing_distance)}
 
 
 def dice_metrics(behaviours: list[str]) -> dict:
-    return {Metric(f"dice_{b}", f"Dice {b}", "judged", f"Dice of the {b!r} label against the human turns"): dice(b)
-            for b in behaviours}
+    return {Metric(f"dice_{b}", f"Dice {b}", "judged", f"Dice of the {b!r} label against the human turns"):
+            pooled(dice(b)) for b in behaviours}
 
 
-def bootstrap(obs: list[dict], metric, n: int, seed: int) -> tuple[float | None, float | None, float | None]:
+def bootstrap(obs: list[dict], metric: Statistic, n: int, seed: int) -> tuple[float | None, float | None, float | None]:
     """(value, 2.5th, 97.5th percentile) of ``metric`` with conversations resampled ``n`` times."""
-    value = metric(obs)
+    contributions = [metric.per_conversation(g) for g in conversations(obs)]
+    value = metric.combine(contributions)
     if value is None or n == 0:
         return value, None, None
-    units = defaultdict(list)
-    for o in obs:
-        units[o["unit"]].append(o)
-    groups = list(units.values())
     rng = random.Random(seed)
-    replicates = [v for v in (metric([o for g in rng.choices(groups, k=len(groups)) for o in g])
-                  for _ in range(n)) if v is not None]
+    replicates = [v for v in (metric.combine(rng.choices(contributions, k=len(contributions))) for _ in range(n))
+                  if v is not None]
     if not replicates:
         return value, None, None
     low, high = np.percentile(replicates, [2.5, 97.5])

@@ -12,17 +12,25 @@ import json
 import math
 from pathlib import Path
 
+from megatron_mimesis.eval.calibration import MIN_DIFFICULTY_EPISODES
+
 GROUP_TITLES = {"likelihood": "Likelihood of the human turns (teacher-forced; lower is better)",
                 "behaviour": "Behaviour statistics (no LLM; closer to the human row is better)",
+                "usi": "τ-USI, the MIMESIS paper's user-simulator index (no LLM: Dice x 100 of each dimension's "
+                       "features against the human turns; τ-USI adds (1 - ECE₅) x 100; higher is better)",
                 "judged": "Judged metrics (Turing distance: lower is better; Dice: higher is better)",
-                "calibration": "Task-difficulty calibration (gap: simulated - real success, points; ECE: lower is "
-                               "better)"}
+                "calibration": "Task-difficulty calibration (gap: simulated - real success, points; ECE per task "
+                               "and ECE₅ over 5 difficulty bins: lower is better)"}
 CALIBRATION_METRICS = [{"name": "success_rate", "label": "success", "group": "calibration",
                         "what": "share of tasks the agent solved (real users: their outcomes)"},
                        {"name": "gap", "label": "gap", "group": "calibration",
                         "what": "simulated - real success rate, points"},
                        {"name": "ece", "label": "ECE", "group": "calibration",
-                        "what": "expected calibration error of per-task success over the real outcomes"}]
+                        "what": "expected calibration error of per-task success over the real outcomes"},
+                       {"name": "ece_difficulty", "label": "ECE₅", "group": "calibration",
+                        "what": "τ-USI's ECE: |simulated - real success| over 5 task-difficulty bins, per trial"},
+                       {"name": "tau_usi", "label": "τ-USI", "group": "usi",
+                        "what": "(D1 + D2 + D3 + D4 + (1 - ECE₅) x 100) / 5"}]
 
 
 def _number(value: float | None) -> str:
@@ -71,8 +79,13 @@ def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict)
             notes.append(f"- {row}: likelihood n/a ({count['likelihood_note']})")
         if count.get("unscored_tasks"):
             notes.append(f"- {row}: {count['unscored_tasks']} tasks without a scored episode left out")
+        if count.get("difficulty_tasks") is not None and count["difficulty_tasks"] < count.get("tasks", 0):
+            notes.append(f"- {row}: ECE₅ over the {count['difficulty_tasks']} of {count['tasks']} tasks with "
+                         f"{MIN_DIFFICULTY_EPISODES}+ scored episodes pooled over the simulators (a difficulty)")
     if notes:
         lines += ["Left out:", *notes, ""]
+    if not calibrated:
+        lines.append("τ-USI needs its calibration term: --outcomes, --agent and --env.")
     lines.append("Intervals: 95% percentile bootstrap over conversations.")
     return "\n".join(lines) + "\n"
 

@@ -13,8 +13,8 @@ SPEC is one of
   directory) it is our simulator served (``vllm serve`` of an export): prompts go out as token ids of the
   training rendering on ``/v1/completions`` and the likelihood comes from prompt log-probs (``echo``), where
   the server offers them. Without one it is a chat model playing the user from a prompt template: the
-  conversation is sent with the roles swapped (the model speaks as the "assistant" of the API) and there is
-  no likelihood.
+  conversation is sent in the user-simulator convention (``rl.chat.flip_roles``: the model speaks as the
+  "assistant" of the API) and there is no likelihood.
 
 Every reply goes through the project's chat conventions: thinking is split off and never scored, the stop
 marker ``<END>`` means the user ended the conversation, and a failed request or an empty utterance comes back as
@@ -30,7 +30,7 @@ import torch
 
 from megatron_mimesis.eval.likelihood import LikelihoodUnavailable
 from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
-from megatron_mimesis.rl.chat import ChatRenderer, strip_thinking
+from megatron_mimesis.rl.chat import ChatRenderer, flip_roles, strip_thinking
 from megatron_mimesis.rl.engines.protocol import request_seeds
 from megatron_mimesis.rl.types import SamplingParams
 
@@ -74,12 +74,14 @@ def parse_spec(text: str, tokenizer: str | None) -> Spec:
             raise SpecError(f"{where}: {target} is not an HF checkpoint directory (no config.json)")
         return Spec(name, kind, target, tokenizer=tokenizer_dir(where, tokenizer or target))
     if kind == "ckpt":
-        from megatron_mimesis.checkpoint.reader import CheckpointError, resolve_checkpoint_dir
+        from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, CheckpointError, resolve_checkpoint_dir
 
         try:
-            resolve_checkpoint_dir(target)
+            directory = resolve_checkpoint_dir(target)
         except (CheckpointError, FileNotFoundError, ValueError) as err:
             raise SpecError(f"{where}: {err}") from None
+        if tokenizer is None and not (directory / TOKENIZER_SUBDIR).is_dir():
+            raise SpecError(f"{where}: {directory} has no tokenizer saved with it (pass --tokenizer DIR)")
         return Spec(name, kind, target, tokenizer=tokenizer_dir(where, tokenizer) if tokenizer else None)
     base_url, at, model = target.rpartition("@")
     if not at or not model or not base_url.startswith(("http://", "https://")):
@@ -181,9 +183,7 @@ class ChatSimulator:
             return list(pool.map(self._reply, positions, [position_seed(seed, p.key) for p in positions]))
 
     def _reply(self, position, seed: int) -> Reply:
-        swapped = {"user": "assistant", "assistant": "user", "system": "system"}
-        messages = [{"role": "system", "content": self.system},
-                    *({"role": swapped[m["role"]], "content": m["content"]} for m in position.context)]
+        messages = [{"role": "system", "content": self.system}, *flip_roles(list(position.context))]
         if len(messages) == 1:
             messages.append({"role": "user", "content": "(You open the conversation.)"})
         try:
@@ -266,16 +266,17 @@ def build(spec: Spec, settings: Settings, workdir: Path):
 
     path, tokenizer_path = spec.target, spec.tokenizer
     if spec.kind == "ckpt":
-        path = str(export_checkpoint(spec.target, workdir / spec.name))
+        path = str(export_checkpoint(spec.target, workdir / spec.name, spec.tokenizer))
         tokenizer_path = tokenizer_path or path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     engine = HFEngine.from_pretrained(path, tokenizer=tokenizer, dtype=torch.float32, seed=settings.seed)
     return EngineSimulator(spec.name, engine, tokenizer, tokenizer_path, settings, hf_scorer(engine.model), 1)
 
 
-def export_checkpoint(checkpoint: str, out: Path) -> Path:
-    """A dist checkpoint (any layout) as an fp32 HF directory, through the one converter (no process group)."""
+def export_checkpoint(checkpoint: str, out: Path, tokenizer: str | None) -> Path:
+    """A dist checkpoint (any layout) as an fp32 HF directory, through the one converter (no process group), with
+    the given tokenizer, else the one saved with the checkpoint."""
     from megatron_mimesis.checkpoint.conversion import export_to_hf
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    return export_to_hf(checkpoint, out, dtype="fp32", progress=False)
+    return export_to_hf(checkpoint, out, tokenizer=tokenizer, dtype="fp32", progress=False)

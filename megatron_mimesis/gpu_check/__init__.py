@@ -14,9 +14,10 @@ it goes, so a stage stopped at its cap still reports what it measured:
   Gated DeltaNet against the CPU fallback on packed THD rows of several documents (outputs and gradients), and the
   Transformer Engine layer spec against the local spec on the same weights (logits, loss, gradients, bf16).
 - throughput: 4 Qwen3.5-9B-width layers (3 Gated DeltaNet + 1 attention) plus the 248320-row lm head and the fused
-  loss at sequence length 24576, micro-batch 1, bf16, Transformer Engine + fla on this one GPU: tokens/s,
-  TFLOP/s and MFU by ``training/flops.py``, peak memory, and the extrapolation to 32 layers at TP=4 with its
-  assumptions spelled out.
+  loss at sequence length 24576, micro-batch 1, bf16, Transformer Engine + fla on this one GPU, built and wrapped in
+  DDP as the trainer does: tokens/s, TFLOP/s and MFU by ``training/flops.py``, peak memory; the memory plan of the
+  same step against it (each layer's saved tensors, and ``max_memory_allocated`` within 10% of the plan); and the
+  extrapolation to 32 layers at TP=4 with its assumptions spelled out.
 - vllm (where vLLM is installed): a megatron trainer and the colocated vLLM engine in one process, as the RL stages
   run them: the engine's start and weight-sync times, its log-probs after the sync against the trainer's (and, as
   the control, before it), and that sleep frees its memory (``torch.cuda.mem_get_info`` before and after) while

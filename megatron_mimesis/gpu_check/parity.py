@@ -111,8 +111,10 @@ def _te_vs_local_parity(rec: StageRecorder) -> None:
     positions = torch.arange(256, device="cuda").expand(2, 256)
     results = {}
     for backend in ("te", "local"):
-        provider = ModelProvider(preset, transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16),
-                                 backend=backend)
+        # no DDP here, so no main_grad for TE's fused wgrad accumulation to write into: gradients land in .grad
+        config = transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16,
+                                    gradient_accumulation_fusion=False)
+        provider = ModelProvider(preset, config, backend=backend)
         model = provider().cuda()
         load_hf_weights(model, state, preset, provider.padded_vocab_size)
         logits = model(tokens, positions, None)[..., :preset.vocab_size].float()

@@ -1,6 +1,22 @@
-"""Qwen3.5-9B layers at length 24576 on this GPU, and the extrapolation to the paper's layout."""
+"""Qwen3.5-9B layers at length 24576 on this GPU, the memory plan checked against them, and the extrapolation to the
+paper's layout.
 
+The step is the trainer's: the model chunk from its config (Transformer Engine spec, the fusions this GPU has), in
+megatron's DDP with fp32 main gradients, on one packed row through the fused loss. The memory plan of the same config
+(``mimesis-plan``, run in a child process while this one builds and times, since planning measures on the CPU) is
+compared twice: each layer's saved-tensor bytes counted here on the real TE / fla modules against the plan's per-layer
+figure, and the step's peak ``torch.cuda.max_memory_allocated`` against the plan's allocated terms (parameters,
+gradients, activations, backward temporaries), within ``PLAN_TOLERANCE``.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+
+import yaml
 
 from megatron_mimesis.gpu_check.record import StageRecorder
 from megatron_mimesis.gpu_check.world import init_one_rank_megatron
@@ -8,28 +24,65 @@ from megatron_mimesis.gpu_check.world import init_one_rank_megatron
 THROUGHPUT_SEQ = 24576
 THROUGHPUT_LAYERS = 4
 PAPER_LAYERS, PAPER_TP = 32, 4
+# the step as a trainer config: what both the step below and its memory plan build
+THROUGHPUT_RUN = {"stage": "midtrain", "model": "9b",
+                  "model_overrides": {"num_layers": THROUGHPUT_LAYERS, "mtp_num_layers": 0},
+                  "seq_length": THROUGHPUT_SEQ, "micro_batch_size": 1, "global_batch_size": 1, "bf16": True}
+PLAN_TOLERANCE = 0.10
+# the plan's rows this step allocates (no optimizer step, and the context is outside the allocator)
+ALLOCATED_KINDS = ("parameters", "gradients", "activations", "temporaries")
+
+
+def start_plan(out_dir: Path) -> subprocess.Popen:
+    """``mimesis-plan --json`` of :data:`THROUGHPUT_RUN` on one GPU, in a child process."""
+    config = Path(tempfile.mkdtemp(prefix="plan-", dir=out_dir)) / "throughput.yaml"
+    config.write_text(yaml.safe_dump(THROUGHPUT_RUN))
+    return subprocess.Popen([sys.executable, "-m", "megatron_mimesis.tools.plan", "--config", str(config), "--nodes",
+                             "1", "--gpus-per-node", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def planned_step(child: subprocess.Popen) -> dict:
+    """The planned bytes the step is compared with: ``allocated`` (the allocated kinds of the single column) and
+    ``layers`` (per layer kind, at the step's tokens). A plan that does not fit this GPU still prints its rows."""
+    stdout, stderr = child.communicate(timeout=600)
+    if not stdout.strip():
+        raise RuntimeError(f"mimesis-plan printed no plan: {stderr.strip()[-300:]}")
+    plan = json.loads(stdout)["memory_plan"]
+    (column,) = plan["columns"]
+    allocated = sum(row["values"][column] for row in plan["rows"] if row["kind"] in ALLOCATED_KINDS)
+    return {"allocated_gib": allocated, "layer_gib": plan["details"]["layer_gib"]}
 
 
 def stage_throughput(rec: StageRecorder) -> None:
     import torch
 
-    from megatron_mimesis.models.config import ParallelConfig, transformer_config
-    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.data.collate import packed_seq_params
     from megatron_mimesis.models.provider import ModelProvider
+    from megatron_mimesis.training.config import TrainConfig
     from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
     from megatron_mimesis.training.loss import lm_loss_output_processor
+    from megatron_mimesis.training.memory.saved import SavedTensors
+    from megatron_mimesis.training.train import model_config, wrap_in_ddp
 
+    plan_child = start_plan(rec.path.parent)
     init_one_rank_megatron()
-    preset = get_preset("9b").replace(num_layers=THROUGHPUT_LAYERS, mtp_num_layers=0)
-    config = transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16)
-    model = ModelProvider(preset, config, backend="te")().cuda()
+    run = TrainConfig(**{k: v for k, v in THROUGHPUT_RUN.items() if k != "stage"})
+    preset, tf_config = run.preset, model_config(run)
+    (model,) = wrap_in_ddp(run, tf_config, [ModelProvider(preset, tf_config, backend="te")().cuda()])
     tokens = torch.randint(0, preset.vocab_size, (1, THROUGHPUT_SEQ), device="cuda")
     positions = torch.arange(THROUGHPUT_SEQ, device="cuda")[None]
     mask = torch.ones(1, THROUGHPUT_SEQ, device="cuda")
+    packed = packed_seq_params({"cu_seqlens": torch.tensor([0, THROUGHPUT_SEQ], dtype=torch.int32, device="cuda"),
+                                "max_seqlen": THROUGHPUT_SEQ})
+
+    def forward():
+        return model(tokens, positions, None, labels=tokens, loss_mask=mask, packed_seq_params=packed,
+                     output_processor=lm_loss_output_processor)
 
     def step():
-        loss = model(tokens, positions, None, labels=tokens, loss_mask=mask, output_processor=lm_loss_output_processor)
-        loss.backward()
+        model.zero_grad_buffer()
+        forward().backward()
 
     for _ in range(2):  # warm-up: Triton autotuning and compilation, TE workspace
         step()
@@ -41,22 +94,73 @@ def stage_throughput(rec: StageRecorder) -> None:
         step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / reps
+    peak_bytes = torch.cuda.max_memory_allocated()
     peak_flops = device_peak_flops(torch.cuda.get_device_name(0))
     tokens_per_s = THROUGHPUT_SEQ / seconds
     flops = train_flops_per_token(preset, THROUGHPUT_SEQ) * tokens_per_s
     rec.row(layers=f"{THROUGHPUT_LAYERS} (3 DeltaNet + 1 attention) + lm head", seq=THROUGHPUT_SEQ,
-            step_s=seconds, tokens_per_s=tokens_per_s, tflops=flops / 1e12, mfu=flops / peak_flops,
-            peak_gib=torch.cuda.max_memory_allocated() / 2**30, gpu_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
-    # the lm head + fused loss alone, to separate it from the per-layer cost in the extrapolation
-    hidden = torch.randn(THROUGHPUT_SEQ, preset.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = model.output_layer.weight
+            step_s=seconds, tokens_per_s=tokens_per_s, tflops=flops / 1e12,
+            mfu=flops / peak_flops if peak_flops else None, peak_gib=peak_bytes / 2**30,
+            gpu_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+    layer_bytes = _saved_bytes_per_layer(model.module, forward, SavedTensors)
+    _check_plan(rec, planned_step(plan_child), peak_bytes, layer_bytes, preset)
+    _extrapolate(rec, model.module, tokens, mask, seconds, peak_flops, preset)
+
+
+def _saved_bytes_per_layer(module, forward, meter_cls) -> list[int]:
+    """One more forward with a saved-tensor meter around each decoder layer (its parameters excluded)."""
+    meters, hooks = [], []
+    for layer in module.decoder.layers:
+        def enter(mod, args, meters=meters):
+            meters.append(meter_cls(exclude=list(mod.parameters())).__enter__())
+
+        def leave(mod, args, output, meters=meters):
+            meters[-1].__exit__(None, None, None)
+
+        hooks += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+    loss = forward()
+    for hook in hooks:
+        hook.remove()
+    del loss
+    return [meter.bytes for meter in meters]
+
+
+def _check_plan(rec: StageRecorder, planned: dict, peak_bytes: int, layer_bytes: list[int], preset) -> None:
+    from megatron_mimesis.training.memory.activations import layer_kind
+
+    for index, measured in enumerate(layer_bytes):
+        kind = layer_kind(preset.layer_types()[index])
+        rec.row(check=f"layer {index} ({kind}) saved tensors vs plan", measured_gib=measured / 2**30,
+                planned_gib=planned["layer_gib"][kind], ratio=measured / 2**30 / planned["layer_gib"][kind])
+    rec.note("plan: megatron's torch.compile'd GDN and output-gate helpers are counted eagerly there, an upper bound; "
+             "a layer ratio below 1 is what compiling them saves")
+    ratio = peak_bytes / 2**30 / planned["allocated_gib"]
+    within = abs(ratio - 1) <= PLAN_TOLERANCE
+    rec.row(check="step peak (max_memory_allocated) vs plan (parameters, gradients, activations, temporaries)",
+            measured_gib=peak_bytes / 2**30, planned_gib=planned["allocated_gib"], ratio=ratio,
+            status="ok" if within else "failed")
+    if not within:
+        raise RuntimeError(f"peak allocated {peak_bytes / 2**30:.2f} GiB is {ratio:.2f}x the plan's "
+                           f"{planned['allocated_gib']:.2f} GiB (tolerance {PLAN_TOLERANCE:.0%})")
+
+
+def _extrapolate(rec: StageRecorder, module, tokens, mask, seconds: float, peak_flops, preset) -> None:
+    """The lm head + fused loss alone, to separate it from the per-layer cost, and the 32-layer TP=4 upper bound."""
+    import torch
+
     from megatron_mimesis.kernels import fused_linear_cross_entropy
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.training.flops import train_flops_per_token
+
+    hidden = torch.randn(THROUGHPUT_SEQ, preset.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = module.output_layer.weight
 
     def head():
         fused_linear_cross_entropy(hidden, weight, tokens[0], mask[0], vocab_size=preset.vocab_size)[0].backward()
 
     head()
     torch.cuda.synchronize()
+    reps = 5
     started = time.perf_counter()
     for _ in range(reps):
         head()
@@ -66,7 +170,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     full = get_preset("9b")
     full_step_s = (PAPER_LAYERS * per_layer_s + head_s) / PAPER_TP
     full_tokens_per_gpu = THROUGHPUT_SEQ / full_step_s / PAPER_TP
-    full_mfu = full_tokens_per_gpu * train_flops_per_token(full, THROUGHPUT_SEQ) / peak_flops
+    full_mfu = full_tokens_per_gpu * train_flops_per_token(full, THROUGHPUT_SEQ) / peak_flops if peak_flops else None
     rec.row(layers=f"extrapolated: {PAPER_LAYERS} layers at TP={PAPER_TP}", seq=THROUGHPUT_SEQ, step_s=full_step_s,
             tokens_per_s=full_tokens_per_gpu, mfu=full_mfu)
     rec.note(f"measured lm head + fused loss alone: {head_s * 1e3:.1f} ms; per layer (averaged over the 3:1 mix): "

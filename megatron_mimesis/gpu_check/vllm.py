@@ -33,6 +33,7 @@ def stage_vllm(rec: StageRecorder) -> None:
     from megatron_mimesis.models.provider import ModelProvider
     from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS, VLLMEngine
     from megatron_mimesis.rl.engines.weight_sync import sync_weights
+    from megatron_mimesis.rl.memory import VLLM_ASLEEP_GIB
     from megatron_mimesis.rl.update.scoring import score_rows
 
     init_one_rank_megatron()
@@ -45,6 +46,7 @@ def stage_vllm(rec: StageRecorder) -> None:
         output.mul_(VLLM_LOGIT_SCALE)
     prompts, responses = VLLM_ROWS
     trainer = score_rows([model], list(zip(prompts, responses, strict=True)), 4096, device)
+    free_without_engine = torch.cuda.mem_get_info()[0] if device.type == "cuda" else None
     started = time.perf_counter()
     options = VLLM_GPU_OPTIONS if device.type == "cuda" else CPU_TINY_OPTIONS
     engine = VLLMEngine(preset, None, 1, {"seed": 0, **options})
@@ -77,9 +79,12 @@ def stage_vllm(rec: StageRecorder) -> None:
             failures.append("sleep kept the engine's memory or wake changed its weights")
         rec.row(check="sleep frees the engine's memory, wake restores its weights", freed_by_sleep_gib=freed_gib,
                 engine_share_gib=share_gib, taken_back_by_wake_gib=(free[1] - free[2]) / 2**30,
+                kept_asleep_gib=(free_without_engine - free[1]) / 2**30, plan_allows_asleep_gib=VLLM_ASLEEP_GIB,
                 woken_vs_synced_max_abs=woken_err, status="ok" if ok else "failed")
         rec.note("sleep level 1 drops the KV cache and moves the weights to host memory: it must free at least half "
                  "the engine's share (gpu_memory_utilization x the GPU), and the woken engine score as before")
+        rec.note("kept_asleep_gib is what the sleeping engine still holds, against the memory plan's allowance; this "
+                 "engine runs eager, and the CUDA graphs an RL config's engine captures add to it")
     else:
         rec.note(f"sleep not checked: vLLM has no sleep mode on {device.type}")
     if failures:

@@ -4,12 +4,14 @@ The architectural switches (zero-centred norms, q/k norm, sigmoid attention outp
 Gated DeltaNet every layer but each 4th) are fixed here once; sizes come from the preset.
 """
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from megatron_mimesis.compat import cuda_is_usable
 from megatron_mimesis.models.presets import FULL_ATTENTION_INTERVAL, Qwen35Preset
 
 
@@ -74,6 +76,55 @@ def real_vocab(output_layer) -> int:
     return output_layer.real_vocab_size
 
 
+def fusion_flags(*, cuda: bool, te: bool, apex: bool) -> dict[str, bool]:
+    """megatron-core's fusion switches for this model, given what the run has: a CUDA device, Transformer Engine, and
+    apex's CUDA extensions. Megatron-LM turns all of them on by default on a GPU; each is on here exactly where the
+    code it selects can run, so the CPU path (no CUDA) has them all off. What each selects:
+
+    * ``bias_activation_fusion``: the MLP's SwiGLU runs as megatron's ``SwiGLUFunction``
+      (``fusions/fused_bias_swiglu.py``, a ``jit_fuser``-compiled autograd.Function) that keeps only its input, the
+      fc1 output (3F values per token with the fc2 input, F = ffn_hidden_size), instead of ``glu()`` in
+      ``transformer/mlp.py``, whose autograd keeps 5F (the fc1 output, silu(x), x_linear + 0.0 and the product).
+      Needs torch.compile on CUDA only.
+    * ``bias_dropout_fusion``: the residual adds run as the ``jit_fuser``'d ``bias_dropout_add_fused_train``
+      (``fusions/fused_bias_dropout.py``) instead of the unfused Python version.
+    * ``apply_rope_fusion``: rotary embeddings through TE's ``fused_apply_rotary_pos_emb`` (``_thd`` for packed
+      rows, ``models/common/embeddings/rope_utils.py``), which keeps only the shared frequencies, not a cos/sin per
+      layer. Needs TE.
+    * ``gradient_accumulation_fusion``: TE's linears accumulate weight gradients straight into DDP's fp32
+      ``main_grad`` (``fuse_wgrad_accumulation``); megatron's own ColumnParallelLinear (the output layer) refuses the
+      flag without apex's ``fused_weight_gradient_mlp_cuda``, so it needs apex. A model that is trained without
+      megatron's DDP has no ``main_grad`` and must be built with it off.
+    * ``masked_softmax_fusion``: megatron's ``FusedScaleMaskSoftmax`` CUDA kernels (apex's
+      ``scaled_upper_triang_masked_softmax_cuda``) in its local ``DotProductAttention``; TE's attention ignores it.
+    * ``persist_layer_norm`` stays off: it selects apex's persistent LayerNorm kernel in megatron's
+      ``FusedLayerNorm``, which an RMSNorm model never runs (and megatron's torch-norm wrapper refuses the flag).
+    """
+    return {
+        "bias_activation_fusion": cuda,
+        "bias_dropout_fusion": cuda,
+        "apply_rope_fusion": cuda and te,
+        "gradient_accumulation_fusion": cuda and apex,
+        "masked_softmax_fusion": cuda and apex,
+        "persist_layer_norm": False,
+    }
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def apex_fused_kernels_importable() -> bool:
+    """apex's CUDA extensions that megatron's wgrad-accumulation and masked-softmax fusions import."""
+    return _importable("fused_weight_gradient_mlp_cuda") and _importable("scaled_upper_triang_masked_softmax_cuda")
+
+
+def installed_fusions() -> dict[str, bool]:
+    """:func:`fusion_flags` for this process: what is importable here, on the device it has."""
+    return fusion_flags(cuda=cuda_is_usable(), te=_importable("transformer_engine"),
+                        apex=apex_fused_kernels_importable())
+
+
 def transformer_config(
     preset: Qwen35Preset,
     parallel: ParallelConfig | None = None,
@@ -81,7 +132,8 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     **overrides,
 ) -> TransformerConfig:
-    """Build the megatron-core config; ``overrides`` set any other TransformerConfig field (recompute, ...)."""
+    """Build the megatron-core config, with the fusions this process can run (:func:`installed_fusions`);
+    ``overrides`` set any other TransformerConfig field (recompute, a fusion, ...)."""
     parallel = parallel or ParallelConfig()
     validate_layout(preset, parallel)
     on_gpu = torch.cuda.is_available()
@@ -118,13 +170,7 @@ def transformer_config(
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        # Fusions that need CUDA extensions are off; Transformer Engine brings its own fused paths.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **installed_fusions(),
         use_cpu_initialization=not on_gpu,
         batch_p2p_sync=on_gpu,
         # gloo matches batched isend/irecv between the same two ranks out of order: with PP=2 and virtual

@@ -15,6 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 
 FULL_ATTENTION_INTERVAL = 4  # layer i is gated full attention when (i + 1) % 4 == 0, else Gated DeltaNet
+# The Gated DeltaNet recurrent state's dtype, the released configs' ``mamba_ssm_dtype``: the trainer's chunked kernel
+# carries it in fp32, and vLLM sizes and updates its decode state cache in this dtype (``mamba_ssm_cache_dtype``
+# follows it). Without it vLLM keeps the state in the model dtype, bf16, and rounds it at every decoded token.
+DELTANET_STATE_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class Qwen35Preset:
         return dataclasses.replace(self, **changes)
 
     def to_hf_config(self, **extra):
-        """The equivalent transformers ``Qwen3_5TextConfig`` (text-only, as our training sees the model)."""
+        """The equivalent transformers ``Qwen3_5TextConfig`` (text-only, as our training sees the model), with the
+        DeltaNet state dtype the released configs carry; ``extra`` adds or overrides fields."""
         from transformers import Qwen3_5TextConfig
 
         return Qwen3_5TextConfig(
@@ -77,7 +82,7 @@ class Qwen35Preset:
                 "mrope_section": [11, 11, 10],
                 "mrope_interleaved": True,
             },
-            **extra,
+            **{"mamba_ssm_dtype": DELTANET_STATE_DTYPE, **extra},
         )
 
     @classmethod

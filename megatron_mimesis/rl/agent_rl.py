@@ -202,9 +202,9 @@ class AgentRL(RLLoop):
         score_failures = self._score(episodes)
         rollout_time = time.perf_counter() - start
         rows = agent_rows(episodes, c.gamma, self.suite.name)
-        on_policy, mismatch = self.on_policy_rows([row for row, _, _ in rows])
+        on_policy = self.on_policy_rows([row for row, _, _ in rows])
         rows = [(row, episode, t) for row, (_, episode, t) in zip(on_policy, rows, strict=True)]
-        record = {"rollout_time_s": rollout_time, "score_failures": sum(score_failures.values()), **mismatch,
+        record = {"rollout_time_s": rollout_time, "score_failures": sum(score_failures.values()),
                   **{f"score_failures/{reason}": n for reason, n in score_failures.items()}}
         teacher = None
         if self.coach is not None:

@@ -37,6 +37,14 @@ def check_public(messages: list[dict]) -> None:
             raise PrivilegedTextLeak(f"message {index} ({message['role']}) contains a think marker")
 
 
+def flip_roles(messages: list[dict]) -> list[dict]:
+    """Swap ``user`` and ``assistant`` (``system`` stays): between the training rendering's roles (the simulator
+    speaks as ``user``) and the convention of user-simulator frameworks (tau2-bench's ``UserSimulator``: the
+    simulator's turns are ``assistant`` messages, the agent's ``user``). Its own inverse."""
+    swapped = {"user": "assistant", "assistant": "user", "system": "system"}
+    return [{**message, "role": swapped[message["role"]]} for message in messages]
+
+
 def strip_thinking(text: str) -> tuple[str | None, str]:
     """Split text that was generated outside a think block: ``(thinking or None, public text)``.
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from megatron_mimesis.kernels.reference import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTIONS
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
 ENGINES = ("local", "vllm")
+DELTANET_STATE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -29,6 +31,11 @@ class RLConfig(TrainConfig):
     engine: str = "local"
     engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/engines/vllm.py)
     generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
+    # the vLLM engine's Gated DeltaNet recurrent state (its mamba_ssm_cache_dtype): float32 as the trainer keeps
+    # it and the released configs ask. bfloat16 halves the state cache and its decode traffic, at the cost of a
+    # state rounded to bf16 at every decoded token; tools/bench_mismatch.py prints both sizes for a preset and
+    # measures the mismatch each gives
+    engine_deltanet_state_dtype: str = "float32"
     rollouts_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 512
     temperature: float = 1.0
@@ -43,6 +50,20 @@ class RLConfig(TrainConfig):
     # kl_reference is its weights, an HF directory or a dist checkpoint directory (weights only are read)
     kl_coef: float = 0.0
     kl_reference: str | None = None
+    # Rollout correction, when another engine (vLLM) sampled the rows: every sampled token's loss is weighed by
+    # rho = pi_trainer / pi_engine of that token (kernels/reference.py, rollout_correction_weights). "tis" truncates
+    # rho at the cap, "mis" masks tokens with rho outside [1/cap, cap], "off" only logs the statistics; the level
+    # is the token or the row (geometric mean over its tokens). With the local engine rho is 1 and nothing runs.
+    # Default: token-level TIS with cap 2 (slime's default, veRL's token-IS preset). At the paper's scale (9B,
+    # rollouts of thousands of tokens over several turns) it keeps every token, so no group loses its signal to a
+    # mask, and bounds every weight by 2; token level because a recurrent state's drift concentrates on the tokens
+    # where it diverged, which a row's geometric mean over thousands of tokens would average back to 1.
+    rollout_correction: str = "tis"
+    rollout_correction_level: str = "token"
+    rollout_correction_cap: float = 2.0
+    # a warning line when more than this share of a step's sampled tokens is truncated (tis) or masked (mis):
+    # numerics alone (bf16 kernels) leave every ratio within a few percent of 1; a broken sync moves most of them
+    rollout_correction_warn_frac: float = 0.01
 
     RANGES: ClassVar[dict[str, Range]] = {
         **TrainConfig.RANGES,
@@ -57,18 +78,32 @@ class RLConfig(TrainConfig):
         "max_tokens_per_microbatch": AT_LEAST_1,
         "min_valid_rollouts": Range(2),
         "kl_coef": NON_NEGATIVE,
+        "rollout_correction_cap": Range(1, low_open=True),  # the band [1/cap, cap] must contain 1
+        "rollout_correction_warn_frac": Range(0, 1),
     }
 
     def validate_rl(self, world_size: int) -> None:
         self.validate_model_and_optimizer(world_size)
         if not self.tokenizer or not (Path(self.tokenizer) / "tokenizer.json").exists():
             raise ConfigError(f"tokenizer: {self.tokenizer!r} is not an HF tokenizer directory (tokenizer.json)")
+        if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
+            raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
+                              f"{self.kl_reference!r}")
+
+    def validate_without_files(self, world_size: int) -> None:
+        super().validate_without_files(world_size)
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.engine == "local" and self.model != "tiny":
+            raise ConfigError(f"engine=local decodes with the training model itself, with no KV cache and full "
+                              f"[tokens, vocab] logits per decoded token: the tiny preset's CPU engine, not one for "
+                              f"{self.model!r}; use engine=vllm")
+        for name, allowed in (("engine_deltanet_state_dtype", DELTANET_STATE_DTYPES),
+                              ("rollout_correction", ROLLOUT_CORRECTIONS),
+                              ("rollout_correction_level", ROLLOUT_CORRECTION_LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")
         if self.engine == "vllm":
             from megatron_mimesis.rl.engines.vllm import check_vllm_config
 
             check_vllm_config(self)
-        if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):
-            raise ConfigError(f"kl_coef > 0 needs kl_reference: an HF or dist checkpoint directory, not "
-                              f"{self.kl_reference!r}")

@@ -78,26 +78,31 @@ class RLLoop:
         share = len(items) // self.dp_size
         return items[self.dp_rank * share:(self.dp_rank + 1) * share], self.dp_rank * share
 
-    def on_policy_rows(self, rows: list) -> tuple[list, dict]:
+    def on_policy_rows(self, rows: list) -> list:
         """The rows with the trainer's own old log-probs: as sampled when the engine is the training model,
-        recomputed (and the engine's mismatch measured, on this rank's rows) when another engine sampled them.
+        recomputed (the engine's kept beside them for the rollout correction) when another engine sampled them.
         Every consumer of the student's log-probs (the update, the CSD gate, the placebo correction) reads these."""
         from megatron_mimesis.rl.engines.factory import samples_with_training_model
         from megatron_mimesis.rl.update.scoring import recompute_old_logprobs
 
         if samples_with_training_model(self.engine, self.trainer):
-            return rows, {}
+            return rows
         return recompute_old_logprobs(self.trainer.model, rows, self.config.max_tokens_per_microbatch, self.device)
 
     def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None) -> tuple[dict, list]:
         """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
         groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
-        rollouts, take one optimizer step and refresh the engine. ``teacher``: per-row teacher log-probs (CSD).
-        ``rows`` come from :meth:`on_policy_rows`; with a KL term each rank first scores its own rows under the
-        reference. Returns the update's record and all ranks' summaries."""
+        rollouts, weigh the tokens for the engine they were sampled from (rollout correction, with the mismatch
+        metrics over all rows), take one optimizer step and refresh the engine. ``teacher``: per-row teacher
+        log-probs (CSD). ``rows`` come from :meth:`on_policy_rows`; with a KL term each rank first scores its own
+        rows under the reference. Returns the update's record and all ranks' summaries.
+
+        The advantages come from the rewards of every kept rollout before any weighting: a token or row the
+        correction masks still counts in its group's statistics (FoldGRPO's mean and std over unique rollouts)."""
         from megatron_mimesis.kernels import foldgrpo_advantages
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.policy_step import policy_update
+        from megatron_mimesis.rl.update.rollout_correction import rollout_weights
         from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
@@ -113,8 +118,13 @@ class RLLoop:
         ref = [t for _, _, _, part in gathered for t in part] if ref is not None else None
         valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
         keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
+        weights, correction = rollout_weights(rows, c.rollout_correction, c.rollout_correction_level,
+                                              c.rollout_correction_cap)
+        if weights is not None and not any(w for i in keep for w in weights[i]):
+            keep = []  # the correction rejected every token: an optimizer step on nothing would still move Adam
         record = {"rows": len(rows), "rows_trained": len(keep),
-                  "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep})}
+                  "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep}),
+                  **correction}
         if not keep:
             record["update_applied"] = False
             return record, summaries
@@ -129,6 +139,7 @@ class RLLoop:
             c.max_tokens_per_microbatch, self.device,
             teacher_logprobs=[teacher[i] for i in keep] if teacher is not None else None,
             ref_logprobs=[ref[i] for i in keep] if ref is not None else None,
+            rollout_weights=[weights[i] for i in keep] if weights is not None else None,
         ))
         record["train_time_s"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -140,6 +151,7 @@ class RLLoop:
     def run(self) -> int:
         from megatron_mimesis.checkpoint.trainer_state import current_layout
         from megatron_mimesis.rl.engines.factory import refresh_engine
+        from megatron_mimesis.rl.update.rollout_correction import correction_warning
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
         from megatron_mimesis.training.train import save_and_maybe_stop, save_final
@@ -167,6 +179,10 @@ class RLLoop:
             progress["iteration"] += 1
             it = progress["iteration"]
             self.log.step({"iteration": it, **record})
+            warning = correction_warning(record, c.rollout_correction, c.rollout_correction_cap,
+                                         c.rollout_correction_warn_frac)
+            if warning:
+                self.log.message(f"step {it}: {warning}")
             if save_and_maybe_stop(c, it, exit_signal, self.log, save):
                 break
         else:
@@ -189,8 +205,7 @@ def std(values):
 
 def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     """The RL entry points: parse and validate the config before any process group starts, print it on
-    ``--dry-run``, else run ``loop_cls(config)`` to completion."""
-    import json
+    ``--dry-run`` with its memory plan, else run ``loop_cls(config)`` to completion."""
     import os
     import sys
     from pathlib import Path
@@ -211,10 +226,13 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(json.dumps({"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
-                          "data_parallel_size": config.data_parallel_size(world_size),
-                          "rollouts_per_step": config.rollouts_per_step}, indent=2))
-        return 0
+        from megatron_mimesis.rl.memory import plan_rl
+        from megatron_mimesis.training.memory.plan import print_plan
+
+        resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
+                    "data_parallel_size": config.data_parallel_size(world_size),
+                    "rollouts_per_step": config.rollouts_per_step}
+        return print_plan(*plan_rl(config, world_size), resolved)
     try:
         config.check_save_dir()  # before any work that a save directory without room would lose
     except ConfigError as exc:

@@ -9,7 +9,8 @@ gather the rows of all data-parallel ranks; compute advantages over *unique roll
 (``foldgrpo_advantages``), dropping groups with fewer than ``min_valid_rollouts`` scored rollouts; and take
 one optimizer step with the fused GRPO loss on the last stage's hidden states. Old log-probs are the training
 model's before the update: the local engine's own (it samples with that model), recomputed by the trainer
-when vLLM sampled (``update/scoring.recompute_old_logprobs``, which logs the engine/trainer mismatch).
+when vLLM sampled (``update/scoring.recompute_old_logprobs``), and then every token is weighed for having been
+drawn from vLLM rather than the trainer (``update/rollout_correction.py``, which logs the mismatch).
 
 What the two RL stages share (the trainer, the engine, the run, the update) is in ``loop.py``.
 """
@@ -102,10 +103,9 @@ class SimulatorRL(RLLoop):
         episodes, prompts_by_id = self._rollouts(step)
         reward_failures = self._score(episodes, prompts_by_id)
         rollout_time = time.perf_counter() - start
-        rows, mismatch = self.on_policy_rows(fold_rows(episodes)[0])
+        rows = self.on_policy_rows(fold_rows(episodes)[0])
         record, summaries = self.gather_and_update(rows, [_summary(e, reward_failures) for e in episodes],
                                                    self.loss_config())
-        record.update(mismatch)
         record.update(_rollout_metrics(summaries))
         record["rollout_time_s"] = rollout_time
         # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)

@@ -57,7 +57,11 @@ class Episode:
 
 @dataclass
 class TrainingRow:
-    """One policy turn as a training sample (FoldGRPO: several rows of one rollout share its rollout_id)."""
+    """One policy turn as a training sample (FoldGRPO: several rows of one rollout share its rollout_id).
+
+    ``response_logprobs`` are the update's old log-probs: the sampler's when it is the training model itself, else
+    the trainer's recomputed ones, and then ``engine_logprobs`` keeps the sampler's beside them (rollout correction
+    weighs each token by the ratio of the two)."""
 
     group_id: int
     rollout_id: int
@@ -66,3 +70,4 @@ class TrainingRow:
     response_logprobs: list[float]
     reward: float
     domain: str
+    engine_logprobs: list[float] | None = None

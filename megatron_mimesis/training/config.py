@@ -21,6 +21,7 @@ from typing import ClassVar
 import yaml
 
 from megatron_mimesis.models.presets import PRESETS, Qwen35Preset, get_preset
+from megatron_mimesis.training.memory.gpus import DEFAULT_GPU, GPU_MEMORY_GIB
 
 if typing.TYPE_CHECKING:
     from megatron_mimesis.models.config import ParallelConfig
@@ -129,6 +130,12 @@ class TrainConfig:
     exit_interval: int | None = None  # save and exit after an iteration divisible by this (scheduled stops)
     # size overrides of the preset (the demo sets vocab_size from its tokenizer)
     model_overrides: dict = field(default_factory=dict)
+    # the memory plan that --dry-run prints and the launcher checks before any rank starts (training/memory/)
+    gpu: str = field(default=DEFAULT_GPU, metadata={"help": (
+        f"the GPU each rank runs on, whose memory the plan must fit: one of {sorted(GPU_MEMORY_GIB)}")})
+    gpu_memory_gib: float | None = field(default=None, metadata={"help": (
+        "the GPU's memory in GiB (what torch.cuda reports as total_memory), for a card not in that list; overrides "
+        "the listed figure")})
 
     # every numeric option and its allowed values (tests/training/test_validation.py checks none is missing)
     RANGES: ClassVar[dict[str, Range]] = {
@@ -140,7 +147,7 @@ class TrainConfig:
         "adam_eps": POSITIVE, "clip_grad": NON_NEGATIVE, "recompute_num_layers": AT_LEAST_1,
         "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
-        "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1,
+        "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE,
     }
 
     # ------------------------------------------------------------------
@@ -194,6 +201,15 @@ class TrainConfig:
 
     def validate_model_and_optimizer(self, world_size: int) -> None:
         """The checks every stage shares (the RL stages add their own on top)."""
+        self.validate_without_files(world_size)
+        if self.pretrained_hf is not None and not Path(self.pretrained_hf).exists():
+            raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
+        if self.load:
+            self._check_resume()
+
+    def validate_without_files(self, world_size: int) -> None:
+        """Every shared check that reads no file (model, layout, batch, schedule, options): what a memory plan of
+        the config needs on a machine that has none of the run's data or checkpoints."""
         self.check_ranges()
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr {self.min_lr:g} is above lr {self.lr:g} (the schedule decays from lr to min_lr)")
@@ -240,10 +256,9 @@ class TrainConfig:
             raise ConfigError(f"ckpt_format must be torch_dist, not {self.ckpt_format!r}")
         if self.save_interval and not self.save:
             raise ConfigError("save_interval is set but save (the checkpoint directory) is not")
-        if self.pretrained_hf is not None and not Path(self.pretrained_hf).exists():
-            raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
-        if self.load:
-            self._check_resume()
+        if self.gpu not in GPU_MEMORY_GIB and self.gpu_memory_gib is None:
+            raise ConfigError(f"gpu: unknown GPU {self.gpu!r}; choose one of {sorted(GPU_MEMORY_GIB)} or give its "
+                              f"memory with gpu_memory_gib")
         if self.finetune and not self.load:
             raise ConfigError("finetune needs load (the checkpoint whose weights to start from)")
         if self.pretrained_hf and self.load:
@@ -356,7 +371,9 @@ def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mim
     """``--config FILE`` plus one Megatron-style flag per field (``--tensor-model-parallel-size 2``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file of options; flags given here override it")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the memory plan per GPU and the resolved config and exit; a layout that does not "
+                             "fit the GPU exits 2 with what to change (the launchers run this before any rank)")
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")

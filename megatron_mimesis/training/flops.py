@@ -48,12 +48,24 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def device_peak_flops(device_name: str) -> float:
-    """Peak bf16 FLOP/s for a device name such as 'NVIDIA A100-SXM4-80GB' or 'cpu'."""
+def device_peak_flops(device_name: str) -> float | None:
+    """Peak bf16 FLOP/s for a device name such as 'NVIDIA A100-SXM4-80GB' or 'cpu'; None for a device not listed
+    (its MFU is not known, which must not stop a run)."""
     for key, value in PEAK_BF16_FLOPS.items():
         if key.lower() in device_name.lower():
             return value
-    raise ValueError(f"no peak FLOP/s known for device {device_name!r}; known: {sorted(PEAK_BF16_FLOPS)}")
+    return None
+
+
+def peak_for_mfu(device_name: str | None, say) -> float | None:
+    """The peak MFU divides by: None on the CPU (an MFU there would be made up) and on a GPU not listed, which
+    ``say`` (rank 0's log) reports in one line; the run goes on without MFU."""
+    if device_name is None:
+        return None
+    peak = device_peak_flops(device_name)
+    if peak is None:
+        say(f"MFU n/a: no peak bf16 FLOP/s known for {device_name!r} (known: {', '.join(sorted(PEAK_BF16_FLOPS))})")
+    return peak
 
 
 def _attention_matmul_params(p: Qwen35Preset) -> int:

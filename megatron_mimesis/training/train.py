@@ -75,6 +75,39 @@ def check_tokenizer_matches_checkpoint(load: str, data_path: str, tokenizer: dic
         )
 
 
+def model_config(config: TrainConfig, **overrides):
+    """The megatron ``TransformerConfig`` a run of ``config`` trains with (the memory plan builds the same)."""
+    from megatron_mimesis.models.config import transformer_config
+
+    recompute = {}
+    if config.recompute_granularity:
+        recompute = dict(recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+                         recompute_num_layers=config.recompute_num_layers)
+    return transformer_config(config.preset, config.parallel,
+                              params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
+                              calculate_per_token_loss=True, **{**recompute, **overrides})
+
+
+def model_chunks(provider, config: TrainConfig) -> list:
+    """This rank's model chunks, one per virtual pipeline stage (one when there is no interleaving), where the
+    provider puts them."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    return [provider(vp_stage=i) for i in range(vpp)] if vpp else [provider()]
+
+
+def wrap_in_ddp(config: TrainConfig, tf_config, chunks) -> list:
+    """megatron's DDP around each model chunk, as the trainer runs it: fp32 main grads in contiguous buffers
+    (bucketed for the first chunk only), sharded by the distributed optimizer when it is on."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=config.overlap_grad_reduce,
+        overlap_param_gather=config.overlap_param_gather, use_distributed_optimizer=config.use_distributed_optimizer,
+    )
+    return [DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)]
+
+
 class Trainer:
     """Process groups, model chunks, optimizer and schedule of one run; ``run`` is the supervised loop.
 
@@ -114,35 +147,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model_and_optimizer(self):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_mimesis.models.config import transformer_config
         from megatron_mimesis.models.provider import ModelProvider
         from megatron_mimesis.training.grads import finalize_grads
 
         c = self.config
         dtype = torch.bfloat16 if c.bf16 else torch.float32
-        recompute = {}
-        if c.recompute_granularity:
-            recompute = dict(recompute_granularity=c.recompute_granularity, recompute_method=c.recompute_method,
-                             recompute_num_layers=c.recompute_num_layers)
-        self.tf_config = transformer_config(c.preset, c.parallel, params_dtype=dtype,
-                                            calculate_per_token_loss=True, **recompute)
+        self.tf_config = model_config(c)
         self.provider = ModelProvider(c.preset, self.tf_config)
         chunks = self.build_chunks()
         if c.pretrained_hf:
             self.load_hf(chunks, c.pretrained_hf)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=c.overlap_grad_reduce,
-            overlap_param_gather=c.overlap_param_gather, use_distributed_optimizer=c.use_distributed_optimizer,
-        )
-        self.model = [
-            DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=chunk,
-                                    disable_bucketing=(i > 0))
-            for i, chunk in enumerate(chunks)
-        ]
+        self.model = wrap_in_ddp(c, self.tf_config, chunks)
         self.tf_config.finalize_model_grads_func = finalize_grads
         if c.overlap_grad_reduce:
             self.tf_config.no_sync_func = [m.no_sync for m in self.model]
@@ -162,9 +180,7 @@ class Trainer:
 
     def build_chunks(self) -> list:
         """This rank's model chunks (one per virtual pipeline stage), unwrapped, on the compute device."""
-        vpp = self.config.virtual_pipeline_model_parallel_size
-        chunks = [self.provider(vp_stage=i) for i in range(vpp)] if vpp else [self.provider()]
-        return [chunk.to(self.device) for chunk in chunks]
+        return [chunk.to(self.device) for chunk in model_chunks(self.provider, self.config)]
 
     def load_hf(self, chunks, path: str) -> None:
         from megatron_mimesis.models.hf_io import LazyHFState
@@ -277,7 +293,7 @@ class Trainer:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
         from megatron_mimesis.checkpoint.trainer_state import current_layout
-        from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
+        from megatron_mimesis.training.flops import peak_for_mfu, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
 
@@ -290,8 +306,7 @@ class Trainer:
                      wandb_project=c.wandb_project, run_config=run_config)
         exit_signal = ExitSignal() if c.exit_signal_handler else None
         flops_per_token = train_flops_per_token(c.preset, c.seq_length)
-        # MFU only where a peak is known: on CPU it would be a made-up number
-        peak = device_peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        peak = peak_for_mfu(torch.cuda.get_device_name() if torch.cuda.is_available() else None, log.message)
         data_iterator = self.train_iterators
         status = 0
         result = {"skipped": False}
@@ -399,12 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from megatron_mimesis.training.memory.plan import plan_training, print_plan
+
         resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
-        print(json.dumps(resolved, indent=2))
-        return 0
+        return print_plan(*plan_training(config, world_size), resolved)
     try:
         config.check_save_dir()  # before any work that a save directory without room would lose
     except ConfigError as exc:

@@ -12,18 +12,21 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from data_prep.tokenizer import ENDOFTEXT, IM_END, TextEncoder
 from megatron_mimesis.checkpoint.conversion import ConversionError, export_to_hf, import_from_hf
 from megatron_mimesis.checkpoint.reader import CheckpointError, DistCheckpointReader
+from megatron_mimesis.checkpoint.serving import simulator_chat_template, special_token_ids
 from megatron_mimesis.models.presets import get_preset
 from tests.models.harness import REPO, hf_reference, init_single_process_megatron
 
 PRESET = get_preset("tiny")
 
 
-def _hf_dir(tmp_path, model, name="hf"):
+def _hf_dir(tmp_path, model, tokenizer, name="hf"):
     out = tmp_path / name
     model.save_pretrained(out)
-    (out / "tokenizer.json").write_text("{}")  # a stand-in file: conversion copies tokenizer files verbatim
+    for path in tokenizer.iterdir():
+        shutil.copy2(path, out / path.name)
     return out
 
 
@@ -40,10 +43,10 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def imported(hf_model, tmp_path_factory):
-    """The HF model, saved and imported (fp32) once for the tests below."""
+def imported(hf_model, tiny_dataset, tmp_path_factory):
+    """The HF model, saved with the tiny dataset's tokenizer and imported (fp32) once for the tests below."""
     tmp_path = tmp_path_factory.mktemp("imported")
-    src = _hf_dir(tmp_path, hf_model)
+    src = _hf_dir(tmp_path, hf_model, tiny_dataset / "tokenizer")
     import_from_hf(src, tmp_path / "mcore", dtype="fp32", progress=False)
     return src, tmp_path / "mcore"
 
@@ -58,9 +61,10 @@ def test_import_then_export_is_bit_exact(imported, tmp_path):
     assert set(back) == set(original)
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
-    assert (tmp_path / "back" / "tokenizer.json").exists()
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["mamba_ssm_dtype"] == "float32"  # vLLM keeps the DeltaNet state in fp32, as the trainer does
 
 
 @pytest.mark.slow
@@ -131,10 +135,11 @@ def test_imported_checkpoint_loads_at_tp2_pp2_as_the_hf_weights(imported):
     assert run_gloo_processes(_load_at_layout_and_compare, 4, str(mcore), str(src)) == [[], [], [], []]
 
 
-def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tmp_path):
-    """A dist checkpoint saved from a live megatron model, exported, then run by transformers."""
+def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tiny_dataset, tmp_path):
+    """A dist checkpoint saved from a live megatron model, exported, then run by transformers; the export carries
+    the simulator's chat template and the generation and token-id fields of a released Qwen3.5."""
     from megatron.core import dist_checkpointing
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_mimesis.models.config import ParallelConfig
     from tests.models.harness import build_megatron_from_hf
@@ -150,9 +155,7 @@ def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tmp_p
     (ckpt / "run_config.json").write_text(json.dumps({"preset": vars(PRESET),
                                                       "padded_vocab_size": provider.padded_vocab_size}))
     (tmp_path / "saved" / "latest").write_text("7\n")
-    tokenizer = tmp_path / "tok"
-    tokenizer.mkdir()
-    (tokenizer / "tokenizer.json").write_text("{}")
+    tokenizer = tiny_dataset / "tokenizer"
     export_to_hf(tmp_path / "saved", tmp_path / "hf", dtype="fp32", tokenizer=str(tokenizer), progress=False)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     ids = torch.randint(0, PRESET.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -160,17 +163,22 @@ def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tmp_p
         ours = model(ids, torch.arange(40).unsqueeze(0), None)
         theirs = exported(ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+    special = TextEncoder(tokenizer).special
+    assert (exported.config.bos_token_id, exported.config.eos_token_id) == (special[ENDOFTEXT], special[ENDOFTEXT])
+    assert exported.generation_config.eos_token_id == [special[IM_END], special[ENDOFTEXT]]
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == simulator_chat_template(thinking=False)
 
 
 @pytest.mark.slow
-def test_hf_reference_keeps_vision_tower_mtp_and_layout(tmp_path):
+def test_hf_reference_keeps_vision_tower_mtp_and_layout(tiny_dataset, tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(0)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=PRESET.hidden_size,
                   num_position_embeddings=64, patch_size=4, temporal_patch_size=2)
     reference = _hf_dir(tmp_path, Qwen3_5ForConditionalGeneration(
-        Qwen3_5Config(text_config=PRESET.to_hf_config().to_dict(), vision_config=vision)), "reference")
+        Qwen3_5Config(text_config=PRESET.to_hf_config().to_dict(), vision_config=vision)), tiny_dataset / "tokenizer",
+        "reference")
     weights = load_file(str(reference / "model.safetensors"))
     weights["mtp.fc.weight"] = torch.randn(PRESET.hidden_size, 2 * PRESET.hidden_size)
     save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
@@ -184,11 +192,11 @@ def test_hf_reference_keeps_vision_tower_mtp_and_layout(tmp_path):
         json.loads((reference / "config.json").read_text())
 
 
-def test_bad_inputs_are_refused_and_nothing_is_half_written(hf_model, tmp_path):
+def test_bad_inputs_are_refused_and_nothing_is_half_written(hf_model, tiny_dataset, tmp_path):
     with pytest.raises(CheckpointError, match="no 'latest'|missing 'latest'"):
         export_to_hf(tmp_path, tmp_path / "x", progress=False)
     (tmp_path / "exists").mkdir()
-    src = _hf_dir(tmp_path, hf_model)
+    src = _hf_dir(tmp_path, hf_model, tiny_dataset / "tokenizer")
     with pytest.raises(ConversionError, match="exists; pass --overwrite"):
         import_from_hf(src, tmp_path / "exists")
     missing = tmp_path / "broken"
@@ -205,6 +213,13 @@ def test_bad_inputs_are_refused_and_nothing_is_half_written(hf_model, tmp_path):
     with pytest.raises(ConversionError, match=r"lacks 1 tensors .*model\.layers\.2\.linear_attn\.in_proj_z"):
         import_from_hf(lacking, tmp_path / "never")
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".never.partial-*"))
+
+
+def test_an_export_needs_a_tokenizer_with_the_chat_tokens(tmp_path):
+    """The template and the stop ids are made of them; a stand-in or foreign tokenizer is refused in one line."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer"):
+        special_token_ids(tmp_path)
 
 
 def test_reference_of_another_architecture_is_refused(tmp_path):

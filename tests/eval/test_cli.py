@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpoints import small_checkpoint
 from tests.eval.conftest import write_conversations
 from tests.rl.fakes import FakeOpenAIServer
 
@@ -46,6 +47,7 @@ GOOD = '{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "as
     (["--simulator", "a=vllm:x"], "--simulator a: SPEC must be one of hf:..., ckpt:..., openai:..., not 'vllm:x'"),
     (["--simulator", "a=hf:/no/such/dir"], "--simulator a: /no/such/dir is not an HF checkpoint directory"),
     (["--simulator", "a=ckpt:/no/such/dir"], "--simulator a: "),
+    (["--simulator", "a=ckpt:{ckpt}"], "iter_0000003 has no tokenizer saved with it (pass --tokenizer DIR)"),
     (["--simulator", "a=openai:localhost:8000@m"], "expected openai:BASE_URL@MODEL with an http(s) URL"),
     (["--simulator", "human=openai:{live}@m"], "the name is taken by the humans' own row"),
     (["--simulator", "a=openai:{live}@m", "--simulator", "a=openai:{live}@n"], "names must be unique; repeated: a"),
@@ -66,6 +68,8 @@ def test_bad_flags_are_one_line(flags, message, server, tmp_path, capsys):
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "tokenizer_config.json").write_text("{}")
+    if any("{ckpt}" in f for f in flags):  # a real dist checkpoint, no tokenizer/ beside it
+        flags = [f.replace("{ckpt}", str(small_checkpoint(tmp_path / "ckpt", 3).parent)) for f in flags]
     flags = [f.replace("{live}", server.base_url).replace("{tokenizer}", str(tokenizer)) for f in flags]
     message = message.replace("{live}", server.base_url)
     assert message in run_bad(flags, tmp_path, capsys)

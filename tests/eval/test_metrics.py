@@ -1,6 +1,7 @@
 """The LLM-free behaviour statistics, Dice, ECE and the bootstrap, against scripted simulators and hand counts."""
 
 import math
+import random
 
 import pytest
 
@@ -116,9 +117,37 @@ def test_ece_and_gap_by_hand():
 
 def test_bootstrap_resamples_conversations():
     obs = [{"unit": u, "x": x} for u, x in [("a", 0.0), ("a", 0.0), ("b", 1.0), ("b", 1.0)]]
-    mean = M._rate("x")
+    mean = M.pooled(M._rate("x"))
     value, low, high = M.bootstrap(obs, mean, 500, seed=1)
     assert value == 0.5 and (low, high) == (0.0, 1.0)  # whole conversations: only 0, 0.5 and 1 can occur
     assert M.bootstrap(obs, mean, 500, seed=1) == (value, low, high)
     assert M.bootstrap(obs, mean, 0, seed=1) == (0.5, None, None)
     assert math.isclose(M.bootstrap([{"unit": "a", "x": 1.0}], mean, 50, 0)[1], 1.0)
+
+
+def test_a_conversation_drawn_twice_counts_as_two_and_the_interval_contains_the_estimate():
+    """Short conversations repeat no word within themselves (distinct-1 = 1 each) but share words with each other:
+    a resample that merged a conversation drawn twice into one unit would see its words as repetition (the
+    interval [0.696, 0.833] around 1.000 of a run on short held-out conversations)."""
+    texts = {"a": ["hi there", "you ok"], "b": ["hi you", "there ok"], "c": ["ok", "hi"]}
+    obs = [{"unit": u, **features(t, "")} for u, turns in texts.items() for t in turns]
+    distinct = M.BEHAVIOUR[next(m for m in M.BEHAVIOUR if m.name == "distinct_1")]
+    assert M.bootstrap(obs, distinct, 200, seed=0) == (1.0, 1.0, 1.0)
+
+
+def test_the_bootstrap_equals_one_computed_by_hand():
+    # per-conversation distinct-1: a 1/2 ("x x"), b 2/2 ("y z"), c 2/4 ("u u u v")
+    obs = [{"unit": u, "unigrams": words.split()} for u, words in [("a", "x"), ("a", "x"), ("b", "y z"),
+                                                                   ("c", "u u"), ("c", "u v")]]
+    distinct = M._distinct("unigrams")
+    assert distinct(obs) == pytest.approx((0.5 + 1.0 + 0.5) / 3)
+    # the draws of random.Random(4).choices over the 3 conversations, 4 replicates, and each replicate's mean of
+    # the drawn conversations' own ratios: a drawn twice counts twice (merged into one unit, "a a b" would be
+    # (1/4 + 1) / 2 and "c c c" 2/12)
+    rng = random.Random(4)
+    assert ["".join(rng.choices("abc", k=3)) for _ in range(4)] == ["aab", "aab", "ccc", "aba"]
+    replicates = [2 / 3, 2 / 3, 0.5, 2 / 3]
+    # numpy's linear percentiles of the sorted [0.5, 2/3, 2/3, 2/3] at 2.5 and 97.5: ranks 0.075 and 2.925
+    low, high = 0.5 + 0.075 * (2 / 3 - 0.5), 2 / 3
+    assert M.bootstrap(obs, distinct, 4, seed=4) == pytest.approx((2 / 3, low, high))
+    assert sorted(replicates)[0] < low < high == max(replicates)

@@ -32,8 +32,13 @@ def _rl_batch(dtype, seed=0):
     return hidden, weight, targets, mask, old, advantages, teacher
 
 
+# rollout-correction weights as TIS / MIS produce them: truncated at 2, some tokens rejected (0)
+ROLLOUT_WEIGHTS = torch.linspace(0.3, 2.0, N).roll(7)
+ROLLOUT_WEIGHTS[::6] = 0.0
+
 CASES = {
     "grpo-token-mean": dict(),
+    "grpo-csd-rollout-weights": dict(csd_alpha=0.5, rollout_weights=ROLLOUT_WEIGHTS),
     "grpo-csd-seq-mean-dual-clip": dict(csd_alpha=0.5, loss_agg="seq-mean-token-mean", cu_seqlens=CU_SEQLENS,
                                         dual_clip_c=3.0, ratio_upper_clamp=4.0, clip_eps_high=0.28),
     "grpo-csd-normalizer": dict(csd_alpha=0.01, normalizer=torch.tensor(100.0)),
@@ -72,7 +77,7 @@ def test_fused_linear_policy_loss_matches_reference(case, dtype):
         assert_close_to_scale(grad, ref_grad, GRAD_REL[dtype])
 
 
-@pytest.mark.parametrize("case", ["grpo-token-mean", "grpo-csd-seq-mean-dual-clip"])
+@pytest.mark.parametrize("case", ["grpo-token-mean", "grpo-csd-seq-mean-dual-clip", "grpo-csd-rollout-weights"])
 def test_policy_loss_from_logits_matches_reference(case):
     batch = _rl_batch(torch.float32, seed=1)
     logits = batch[0] @ batch[1].t()
@@ -81,6 +86,22 @@ def test_policy_loss_from_logits_matches_reference(case):
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=FORWARD_ATOL)
     torch.testing.assert_close(metrics["entropy"], ref_metrics["entropy"], rtol=0, atol=FORWARD_ATOL)
     assert_close_to_scale(grad, ref_grad, GRAD_REL[torch.float32])
+
+
+@pytest.mark.parametrize("loss_fn", ["fused", "logits"])
+def test_rollout_weights_of_one_leave_loss_metrics_and_gradients_bit_for_bit_unchanged(loss_fn):
+    """Where engine and trainer agree every weight is 1: the weighted loss is today's, to the bit."""
+    batch = _rl_batch(torch.bfloat16 if loss_fn == "fused" else torch.float32, seed=3)
+    hidden, weight = batch[0], batch[1]
+    reference_lp = batch[4] - 0.5
+    case = dict(csd_alpha=0.5, ref_logprobs=reference_lp, kl_coef=0.1)
+    fn, inputs = ((fused_linear_policy_loss, (hidden, weight)) if loss_fn == "fused" else
+                  (policy_loss_from_logits, (hidden.float() @ weight.float().t(), None)))
+    today = _run(fn, *inputs, case, batch, "triton")
+    weighted = _run(fn, *inputs, {**case, "rollout_weights": torch.ones(N)}, batch, "triton")
+    assert torch.equal(weighted[0], today[0])
+    assert weighted[1].keys() == today[1].keys() and all(torch.equal(weighted[1][k], today[1][k]) for k in today[1])
+    assert all(torch.equal(a, b) for a, b in zip(weighted[2], today[2], strict=True))
 
 
 def test_kernel_csd_gradient_is_gradient_of_gated_nll_with_detached_gate():

@@ -115,3 +115,104 @@ def test_reference_kl_term_is_k3_by_hand_and_vanishes_at_the_reference():
     same, metrics = ref.policy_loss_from_logprobs(logprobs.detach(), None, mask, old, advantages,
                                                         ref_logprobs=logprobs.detach(), kl_coef=kl_coef)
     assert metrics["kl_ref"].item() == 0.0 and same.item() == pytest.approx(0.0, abs=1e-12)
+
+
+def _correction(diffs_per_sequence, mode, level, cap=2.0):
+    """Weights and metrics for sequences of given log ratios (trainer - engine), the engine's log-probs at -1."""
+    diffs = torch.tensor([d for seq in diffs_per_sequence for d in seq], dtype=torch.float64)
+    sequence_ids = torch.tensor([i for i, seq in enumerate(diffs_per_sequence) for _ in seq])
+    engine = torch.full_like(diffs, -1.0)
+    return ref.rollout_correction_weights(engine + diffs, engine, sequence_ids, mode=mode, level=level, cap=cap)
+
+
+# ratios: sequence 0 = 1, 3, 1/4 (geometric mean (3/4)^(1/3) = 0.9086); sequence 1 = 1.5, 1.5
+DIFFS = [[0.0, math.log(3.0), -math.log(4.0)], [math.log(1.5), math.log(1.5)]]
+
+
+@pytest.mark.parametrize(("mode", "level", "cap", "expected", "acted"), [
+    ("tis", "token", 2.0, [1.0, 2.0, 0.25, 1.5, 1.5], ("is_truncated_frac", 1 / 5)),  # 3 truncated to the cap
+    ("mis", "token", 2.0, [1.0, 0.0, 0.0, 1.5, 1.5], ("is_masked_frac", 2 / 5)),  # 3 and 1/4 leave [1/2, 2]
+    ("tis", "sequence", 1.4, [0.75 ** (1 / 3)] * 3 + [1.4] * 2, ("is_truncated_frac", 2 / 5)),
+    ("mis", "sequence", 1.4, [0.75 ** (1 / 3)] * 3 + [0.0] * 2, ("is_masked_frac", 2 / 5)),  # 1.5 > 1.4: row out
+    ("off", "token", 2.0, [1.0] * 5, None),
+])
+def test_rollout_correction_weights_hand_computed(mode, level, cap, expected, acted):
+    weights, metrics = _correction(DIFFS, mode, level, cap)
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    diffs = [d for seq in DIFFS for d in seq]
+    assert metrics["engine_kl"].item() == pytest.approx(sum(math.exp(d) - d - 1 for d in diffs) / 5)
+    assert metrics["engine_logprob_abs_diff"].item() == pytest.approx(sum(abs(d) for d in diffs) / 5)
+    assert metrics["engine_logprob_abs_diff_max"].item() == pytest.approx(math.log(4.0))
+    ratios = [math.exp(d) for d in diffs] if level == "token" else [0.75 ** (1 / 3)] * 3 + [1.5] * 2
+    assert metrics["is_ratio_mean"].item() == pytest.approx(sum(ratios) / 5)
+    assert (metrics["is_ratio_min"].item(), metrics["is_ratio_max"].item()) == pytest.approx((min(ratios),
+                                                                                                max(ratios)))
+    assert metrics["is_weight_mean"].item() == pytest.approx(sum(expected) / 5)
+    shares = {k for k in metrics if k in ("is_truncated_frac", "is_masked_frac")}
+    assert shares == ({acted[0]} if acted else set())
+    if acted:
+        assert metrics[acted[0]].item() == pytest.approx(acted[1])
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "off"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_weights_are_exactly_one_where_engine_and_trainer_agree(mode, level):
+    logprobs = -torch.rand(7, dtype=torch.float64) * 5
+    weights, metrics = ref.rollout_correction_weights(logprobs, logprobs.clone(), torch.tensor([0, 0, 0, 1, 1, 2, 2]),
+                                                      mode=mode, level=level, cap=2.0)
+    assert torch.equal(weights, torch.ones(7, dtype=torch.float64))
+    assert metrics["engine_kl"].item() == 0.0 and metrics["engine_logprob_abs_diff_max"].item() == 0.0
+
+
+def test_a_token_the_engine_could_not_sample_gets_a_bounded_weight():
+    trainer = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    engine = torch.tensor([float("-inf"), -2.0], dtype=torch.float64)  # e.g. a token outside the engine's top-p
+    weights, metrics = ref.rollout_correction_weights(trainer, engine, torch.tensor([0, 0]), mode="tis", level="token",
+                                                      cap=2.0)
+    assert weights.tolist() == [2.0, 1.0] and metrics["is_ratio_max"].item() == pytest.approx(math.exp(20.0))
+    assert math.isfinite(metrics["engine_kl"].item()) and metrics["engine_logprob_abs_diff_max"].item() == math.inf
+    weights, _ = ref.rollout_correction_weights(trainer, engine, torch.tensor([0, 0]), mode="mis", level="sequence",
+                                                cap=2.0)
+    assert weights.tolist() == [0.0, 0.0]  # exp(min(inf, 20) / 2) is far outside the band: the row is rejected
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode="clip", level="token", cap=2.0), "mode"),
+    (dict(mode="tis", level="geometric", cap=2.0), "level"),
+    (dict(mode="tis", level="token", cap=1.0), "cap"),
+])
+def test_rollout_correction_options_are_checked(options, message):
+    x = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=message):
+        ref.rollout_correction_weights(x, x, torch.tensor([0, 0]), **options)
+
+
+def test_rollout_weights_multiply_the_grpo_and_csd_terms_only():
+    torch.manual_seed(4)
+    n, v, eps, alpha, beta, kl_coef = 12, 17, 0.2, 0.5, 5.0, 0.3
+    logits = torch.randn(n, v, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1], dtype=torch.float64)
+    log_p = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+    old = log_p.detach() + 0.3 * torch.randn(n, dtype=torch.float64)
+    advantages, teacher = torch.randn(n, dtype=torch.float64), log_p.detach() + torch.randn(n, dtype=torch.float64)
+    reference_lp = log_p.detach() + torch.randn(n, dtype=torch.float64)
+    weights = torch.rand(n, dtype=torch.float64) * 2
+    options = dict(teacher_logprobs=teacher, csd_alpha=alpha, csd_beta=beta, ref_logprobs=reference_lp,
+                   kl_coef=kl_coef, clip_eps_low=eps, clip_eps_high=eps)
+    logprobs, entropy = ref.logprob_and_entropy_from_logits(logits, targets)
+    loss, metrics = ref.policy_loss_from_logprobs(logprobs, entropy, mask, old, advantages, rollout_weights=weights,
+                                                  **options)
+    (grad,) = torch.autograd.grad(loss, logits)
+    # the formula: weights on -min(r A, clip(r) A) and on -g l; the gate and the k3 KL unweighted
+    ratio = (log_p - old).exp()
+    grpo = -torch.minimum(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)
+    gate = torch.sigmoid(beta * (teacher - log_p)).detach()
+    d = reference_lp - log_p
+    expected = ((weights * grpo + alpha * weights * -gate * log_p + kl_coef * (d.exp() - d - 1)) * mask).sum() / mask.sum()
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
+    _, unweighted = ref.policy_loss_from_logprobs(logprobs.detach(), entropy, mask, old, advantages, **options)
+    for name in ("clip_frac_low", "clip_frac_high", "approx_kl", "mean_gate", "kl_ref", "kl_loss"):
+        assert metrics[name].item() == unweighted[name].item(), name  # metrics describe the tokens as sampled

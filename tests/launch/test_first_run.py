@@ -64,6 +64,7 @@ def test_gpus_per_node_sets_the_local_process_count(local):
     [str(BIN / "mimesis-eval-agent"), "--help"],
     [str(BIN / "mimesis-bench-convert"), "--help"],
     [sys.executable, "-m", "data_prep.midtrain", "--help"],
+    [sys.executable, "-m", "megatron_mimesis.tools.plan", "--help"],
 ], ids=lambda command: Path(command[0]).name if len(command) == 2 or "export" in command else command[2])
 def test_the_clis_run_from_any_directory(tmp_path, command):
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)

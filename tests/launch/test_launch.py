@@ -32,7 +32,24 @@ def test_slurm_dry_run_has_paper_layout(fake):
     assert resolved["num_microbatches"] == 10 and resolved["tokens_per_step"] == 80 * 24576
     config = resolved["config"]
     assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
+    assert "memory plan per GPU: 9b, TP=4 (SP) PP=1 DP=8 on 32 GPUs;" in out
+    plan = resolved["memory_plan"]
+    assert plan["fits"] and plan["gpu"] == "A100-80GB" and plan["columns"] == ["per GPU"]
     assert not (tmp_path / "log" / "srun").exists()
+
+
+def test_slurm_launch_refuses_a_layout_that_does_not_fit_before_srun(fake):
+    """9B at TP=1 on one node: the config check's memory plan refuses it in one line that names the biggest term and
+    the cheapest change that fits, and the job never reaches srun."""
+    tmp_path, env = fake
+    result = run("midtrain.sh", ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"],
+                 {**slurm_env(env, tmp_path), "SLURM_NNODES": "1"})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: memory plan: per GPU needs ") and " GiB per GPU; the A100-80GB has 79.1, 75.1 " in line
+    assert line.endswith("cheapest change that fits: --tensor-model-parallel-size 4 --sequence-parallel"), line
+    assert "biggest term: activations: Gated DeltaNet layers" in line
+    assert not (tmp_path / "log" / "srun").exists() and not (tmp_path / "log" / "scontrol").exists()
 
 
 def test_local_dry_run_without_gpu_is_the_demo(fake):
@@ -78,7 +95,7 @@ def test_sigusr1_is_forwarded_and_the_job_requeued(fake):
     log = tmp_path / "log"
     proc = subprocess.Popen(["bash", "launch/midtrain.sh"], cwd=REPO, env=slurm_env(env, tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # the config check before srun plans the 9B run's memory first
     while not (log / "srun_started").exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.05)

@@ -59,6 +59,14 @@ def test_agent_config_is_validated_before_anything_starts(tmp_path):
     config.replace(csd_alpha=0.0).validate(1)
 
 
+def test_a_local_user_simulator_is_refused_above_the_tiny_preset():
+    config = AgentRLConfig(env="toy", user_model="local", coach="none", csd_alpha=0.0)
+    with pytest.raises(ConfigError, match=r"^user_model=local decodes the simulator with the local engine.*not '4b'; "
+                                          r"serve the simulator \(vllm serve\) and use user_model=openai$"):
+        config.replace(model="4b", engine="vllm", bf16=True).validate_without_files(1)
+    config.validate_without_files(1)
+
+
 @pytest.mark.slow
 def test_tau2_mock_step_with_a_local_tiny_simulator_and_the_policy_as_coach(tiny_dataset, tiny_hf_checkpoint,
                                                                              tmp_path):

@@ -58,6 +58,14 @@ def test_rl_config_is_validated_before_anything_starts(tmp_path):
         config.replace(counterpart_options={"reply": "ok"}, global_batch_size=3).validate(3)
 
 
+def test_the_local_engine_is_refused_above_the_tiny_preset():
+    """It decodes with the training model, no KV cache, full-vocabulary logits per token: a CPU engine for tiny."""
+    with pytest.raises(ConfigError, match=r"^engine=local decodes with the training model itself.*not one for '9b'; use "
+                                          r"engine=vllm$"):
+        SimulatorRLConfig(model="9b", engine="local").validate_without_files(1)
+    SimulatorRLConfig(model="tiny", engine="local").validate_without_files(1)
+
+
 @pytest.mark.slow
 def test_kl_to_the_reference_starts_at_zero_and_grows_as_the_policy_moves(tiny_dataset, tiny_hf_checkpoint,
                                                                           tmp_path):

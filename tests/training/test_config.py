@@ -6,6 +6,7 @@ import pytest
 
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
 from megatron_mimesis.training.train import check_data, main
+from tests.training.memory.planning import trainer_dry_run
 
 
 def _valid(tmp_path, **changes):
@@ -72,11 +73,16 @@ def test_dataset_must_match_seq_length_and_vocab(tmp_path):
     check_data(_valid(tmp_path, seq_length=128, model_overrides={"vocab_size": 4096}))
 
 
-def test_main_exits_2_with_reason_and_dry_run_prints_resolved_config(tmp_path, capsys, monkeypatch):
+def test_main_exits_2_with_reason_and_dry_run_prints_resolved_config(tmp_path, capsys, monkeypatch, planner):
     monkeypatch.setenv("WORLD_SIZE", "2")
     (tmp_path / "manifest.json").write_text(json.dumps({"seq_length": 256, "tokenizer": {"vocab_size": 500}}))
     assert main(["--data-path", str(tmp_path), "--pipeline-model-parallel-size", "3"]) == 2
     assert "must divide num_layers" in capsys.readouterr().err
-    assert main(["--data-path", str(tmp_path), "--pipeline-model-parallel-size", "2", "--dry-run"]) == 0
-    resolved = json.loads(capsys.readouterr().out)
+    # the dry run plans the memory in fake worlds of its own: in the planning process, which has no process group
+    status, out, err = planner.submit(trainer_dry_run, ["--data-path", str(tmp_path),
+                                                        "--pipeline-model-parallel-size", "2"], 2).result()
+    assert status == 0, err
+    table, resolved = out[:out.index("{\n")], json.loads(out[out.index("{\n"):])
+    assert table.startswith("memory plan per GPU: tiny, TP=1 PP=2 DP=1 on 2 GPUs; 1 x 256 tokens per micro-batch")
     assert resolved["num_microbatches"] == 8 and resolved["config"]["pipeline_model_parallel_size"] == 2
+    assert resolved["memory_plan"]["columns"] == ["stage 0", "stage 1"] and resolved["memory_plan"]["fits"]

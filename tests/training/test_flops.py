@@ -47,5 +47,13 @@ def test_mfu_arithmetic():
 def test_device_peak_flops_lookup():
     assert flops.device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert flops.device_peak_flops("cpu") == 1e12
-    with pytest.raises(ValueError, match="no peak"):
-        flops.device_peak_flops("Voodoo 2")
+    assert flops.device_peak_flops("NVIDIA H800") is None
+
+
+def test_an_unknown_gpu_gives_mfu_na_in_one_line_not_an_exception():
+    said = []
+    assert flops.peak_for_mfu("NVIDIA B200", said.append) is None
+    assert said == ["MFU n/a: no peak bf16 FLOP/s known for 'NVIDIA B200' (known: A100, H100, H200, cpu)"]
+    assert flops.peak_for_mfu("NVIDIA A100-SXM4-80GB", said.append) == 312e12
+    assert flops.peak_for_mfu(None, said.append) is None  # the CPU: no MFU, nothing to say
+    assert len(said) == 1

@@ -13,6 +13,7 @@ from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainCon
 from megatron_mimesis.training.flops import parameter_count
 from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main
 from tests.checkpoints import small_checkpoint
+from tests.training.memory.planning import trainer_dry_run
 
 
 def _numeric_fields(cls) -> set[str]:
@@ -168,12 +169,13 @@ def test_checkpoint_size_estimate_counts_the_parameters_of_the_hf_model():
     assert fp32.replace(bf16=True).checkpoint_bytes() == parameter_count(preset) * (2 + 4 + 4 + 4)
 
 
-def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch):
+def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch, planner):
     monkeypatch.setenv("WORLD_SIZE", "1")
     data = _manifest(tmp_path / "data")
     (tmp_path / "file").write_text("")
     args = ["--data-path", str(data), "--model-overrides", '{"vocab_size": 512}', "--log-dir", str(tmp_path / "log")]
-    assert main([*args, "--save", str(tmp_path / "file" / "ckpt"), "--dry-run"]) == 0  # a dry run writes nothing
-    capsys.readouterr()
+    # a dry run writes nothing (it plans the memory in fake worlds, in the planning process)
+    status, _, err = planner.submit(trainer_dry_run, [*args, "--save", str(tmp_path / "file" / "ckpt")], 1).result()
+    assert status == 0, err
     assert main([*args, "--save", str(tmp_path / "file" / "ckpt")]) == 2  # before the process group and the model
     assert capsys.readouterr().err == f"error: save: {tmp_path / 'file'} is not a directory\n"

@@ -54,6 +54,13 @@ class AgentRLConfig(RLConfig):
     def rollouts_per_step(self) -> int:
         return self.tasks_per_step * self.rollouts_per_prompt
 
+    def validate_without_files(self, world_size: int) -> None:
+        super().validate_without_files(world_size)
+        if self.user_model == "local" and self.model != "tiny":
+            raise ConfigError(f"user_model=local decodes the simulator with the local engine (no KV cache, full "
+                              f"[tokens, vocab] logits per token): tiny preset only, not {self.model!r}; serve the "
+                              f"simulator (vllm serve) and use user_model=openai")
+
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
         if self.env not in ENVS:

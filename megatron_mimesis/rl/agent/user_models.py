@@ -14,7 +14,7 @@ from typing import Protocol
 
 import openai
 
-from megatron_mimesis.rl.chat import ChatRenderer, check_public, strip_thinking
+from megatron_mimesis.rl.chat import ChatRenderer, check_public, flip_roles, strip_thinking
 from megatron_mimesis.rl.engines.protocol import RolloutEngine
 from megatron_mimesis.rl.types import SamplingParams
 
@@ -65,7 +65,12 @@ class EngineUserModel:
 
 
 class OpenAIUserModel:
-    """The simulator behind an OpenAI-compatible endpoint (e.g. ``vllm serve`` of the exported checkpoint).
+    """The simulator behind an OpenAI-compatible chat endpoint (e.g. ``vllm serve`` of the exported checkpoint).
+
+    The request is in the convention of user-simulator frameworks (tau2-bench's ``UserSimulator``): the
+    instructions as ``system``, the agent's turns as ``user``, the simulator's own as ``assistant``, the reply
+    being the user's next turn. The export's chat template renders that into the simulator's training
+    rendering, and a general chat model told to play the user reads it the same way.
 
     Thinking comes back either in the content (``<think>...</think>``) or, with a reasoning parser on the
     server, as ``reasoning_content``; both are treated as private."""
@@ -90,7 +95,7 @@ class OpenAIUserModel:
     def _reply(self, instructions: str, transcript: list[dict], seed: int | None) -> UserReply:
         try:
             response = self.client.chat.completions.create(
-                model=self.model, messages=_messages(instructions, transcript), max_tokens=self.max_tokens,
+                model=self.model, messages=flip_roles(_messages(instructions, transcript)), max_tokens=self.max_tokens,
                 temperature=self.temperature, **({"seed": seed} if seed is not None else {}))
         except openai.OpenAIError as error:
             return UserReply(None, "", False, f"{type(error).__name__}: {error}")

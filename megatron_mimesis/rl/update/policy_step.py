@@ -3,7 +3,8 @@ GRPO (+ CSD) loss on the last stage's hidden states -> an optimizer step.
 
 Each training row is one policy turn: ``context + response`` tokens, with the loss on the response tokens
 only (the position before each response token predicts it), the sampler's log-probs of those tokens as the
-old log-probs, and the row's advantage on every one of its tokens. Rows are packed into THD micro-batches
+old log-probs, the row's advantage on every one of its tokens and, when another engine sampled the row, each
+token's rollout-correction weight (``rollout_correction.py``; a weight of 0 is a rejected token, off the loss mask). Rows are packed into THD micro-batches
 (documents never see each other) of at most ``max_tokens_per_microbatch`` tokens, balanced across
 data-parallel ranks by token count; every rank computes the same plan, so all ranks agree on the number of
 micro-batches without communicating. The loss is a token mean over the whole step: the fused kernel returns
@@ -24,7 +25,7 @@ from megatron_mimesis.rl.types import TrainingRow
 from megatron_mimesis.training.loss import fused_loss_inputs
 
 TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "old_logprobs", "advantages", "teacher_logprobs", "ref_logprobs",
-                "position_ids")
+                "rollout_weights", "position_ids")
 
 
 @dataclass(frozen=True)
@@ -38,22 +39,26 @@ class PolicyLossConfig:
 
 
 def row_sample(row: TrainingRow, advantage: float, teacher_logprobs: list[float] | None = None,
-               ref_logprobs: list[float] | None = None) -> dict:
-    """Token-level arrays of one row; position i predicts token i + 1."""
+               ref_logprobs: list[float] | None = None, rollout_weights: list[float] | None = None) -> dict:
+    """Token-level arrays of one row; position i predicts token i + 1. A token whose rollout weight is 0 was
+    rejected by the rollout correction: it leaves the loss mask, so it weighs nothing and counts in no mean."""
     tokens = row.context_ids + row.response_ids
     n, start = len(tokens), len(row.context_ids) - 1
     if len(row.response_logprobs) != len(row.response_ids) or start < 0:
         raise ValueError("a row needs a non-empty context and one log-prob per response token")
     zeros = [0.0] * n
-    mask, old, adv, teacher, ref = list(zeros), list(zeros), list(zeros), list(zeros), list(zeros)
+    mask, old, adv, teacher, ref, weights = (list(zeros) for _ in range(6))
     for k, logprob in enumerate(row.response_logprobs):
-        mask[start + k], old[start + k], adv[start + k] = 1.0, logprob, advantage
+        old[start + k], adv[start + k] = logprob, advantage
+        weights[start + k] = 1.0 if rollout_weights is None else rollout_weights[k]
+        mask[start + k] = float(weights[start + k] != 0.0)
         if teacher_logprobs is not None:
             teacher[start + k] = teacher_logprobs[k]
         if ref_logprobs is not None:
             ref[start + k] = ref_logprobs[k]
     return {"tokens": tokens, "labels": tokens[1:] + [0], "loss_mask": mask, "old_logprobs": old,
-            "advantages": adv, "teacher_logprobs": teacher, "ref_logprobs": ref, "position_ids": list(range(n))}
+            "advantages": adv, "teacher_logprobs": teacher, "ref_logprobs": ref, "rollout_weights": weights,
+            "position_ids": list(range(n))}
 
 
 def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
@@ -102,25 +107,26 @@ def collate_rows(samples: list[dict], pad_to_multiple: int, device) -> dict:
     return batch
 
 
-def _policy_output_processor(loss_config: PolicyLossConfig, batch: dict, *, hidden_states, output_layer,
-                             output_weight, config, **_):
+def _policy_output_processor(loss_config: PolicyLossConfig, weighted: bool, batch: dict, *, hidden_states,
+                             output_layer, output_weight, config, **_):
     hidden, weight, vocab_size = fused_loss_inputs(hidden_states, output_layer, output_weight, config)
     flat = {k: batch[k].reshape(-1) for k in TOKEN_FIELDS}
     loss_sum, metrics = fused_linear_policy_loss(
         hidden, weight, flat["labels"], flat["loss_mask"].to(hidden.dtype), flat["old_logprobs"], flat["advantages"],
         teacher_logprobs=flat["teacher_logprobs"] if loss_config.csd_alpha else None,
         csd_alpha=loss_config.csd_alpha, csd_beta=loss_config.csd_beta,
-        ref_logprobs=flat["ref_logprobs"] if loss_config.kl_coef else None, kl_coef=loss_config.kl_coef, clip_eps_low=loss_config.clip_eps_low,
+        ref_logprobs=flat["ref_logprobs"] if loss_config.kl_coef else None, kl_coef=loss_config.kl_coef,
+        rollout_weights=flat["rollout_weights"] if weighted else None, clip_eps_low=loss_config.clip_eps_low,
         clip_eps_high=loss_config.clip_eps_high, dual_clip_c=loss_config.dual_clip_c, normalizer=1.0,
         tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=vocab_size,
     )
     return loss_sum, metrics
 
 
-def _forward_step(loss_config, data_iterator, model):
+def _forward_step(loss_config, weighted, data_iterator, model):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed_seq_params(batch),
-                   output_processor=partial(_policy_output_processor, loss_config, batch))
+                   output_processor=partial(_policy_output_processor, loss_config, weighted, batch))
 
     def loss_func(result):
         loss_sum, metrics = result
@@ -140,11 +146,14 @@ def _forward_step(loss_config, data_iterator, model):
 def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], advantages: list[float],
                   loss_config: PolicyLossConfig, max_tokens_per_microbatch: int, device,
                   teacher_logprobs: list[list[float]] | None = None,
-                  ref_logprobs: list[list[float]] | None = None) -> dict:
+                  ref_logprobs: list[list[float]] | None = None,
+                  rollout_weights: list[list[float]] | None = None) -> dict:
     """One optimizer step on ``rows``; collective over all ranks, which must pass identical rows. Returns the
-    step's token-mean loss and metrics (on every rank) and the optimizer's grad norm."""
+    step's token-mean loss and metrics (on every rank) and the optimizer's grad norm. ``rollout_weights``: per-row
+    token weights of the rollout correction; None runs the loss without them."""
     samples = [row_sample(r, a, teacher_logprobs[i] if teacher_logprobs else None,
-                          ref_logprobs[i] if ref_logprobs else None)
+                          ref_logprobs[i] if ref_logprobs else None,
+                          rollout_weights[i] if rollout_weights else None)
                for i, (r, a) in enumerate(zip(rows, advantages, strict=True))]
     plan = plan_microbatches([len(s["tokens"]) for s in samples],
                              parallel_state.get_data_parallel_world_size(), max_tokens_per_microbatch)
@@ -161,8 +170,9 @@ def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], a
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         model_chunks[0].config.variable_seq_lengths = True  # packed micro-batches differ in length
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_config), data_iterator=iterators, model=model_chunks,
-        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1, forward_only=False,
+        forward_step_func=partial(_forward_step, loss_config, rollout_weights is not None), data_iterator=iterators,
+        model=model_chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1,
+        forward_only=False,
     )
     reduced = _reduce(losses, device)
     lr = optimizer.param_groups[0]["lr"]

@@ -7,7 +7,6 @@ response token's log-prob from its hidden states with the fused kernel (no logit
 result with the other stages. Collective over the model-parallel group: every rank of it passes the same rows.
 """
 
-import math
 from dataclasses import replace
 from functools import partial
 
@@ -86,21 +85,17 @@ def score_rows(model_chunks, rows: list[tuple[list[int], list[int]]], max_tokens
 
 
 def recompute_old_logprobs(model_chunks, rows: list[TrainingRow], max_tokens_per_microbatch: int,
-                           device) -> tuple[list[TrainingRow], dict]:
-    """The rows with the training model's own log-probs of their sampled tokens, taken before the update.
+                           device) -> list[TrainingRow]:
+    """The rows with the training model's own log-probs of their sampled tokens, taken before the update, and the
+    engine's kept beside them (``engine_logprobs``).
 
     An engine with other numerics (vLLM's bf16 kernels, its own attention and DeltaNet implementations) samples
     from a slightly different distribution than the trainer's; with its log-probs as the PPO ratio's
     denominator, the ratio would start away from 1 and the clipping would act on the mismatch rather than on
-    the update. So the ratio is taken against the trainer (as veRL recomputes old log-probs) and the mismatch is
-    reported: the mean |l_trainer - l_engine| and the k3 estimate of KL(engine || trainer) over the sampled
-    tokens. A growing mismatch means the weight sync or the engine's numerics went wrong."""
+    the update. So the ratio is taken against the trainer (as veRL recomputes old log-probs), and the engine's
+    log-probs serve the rollout correction (``update/rollout_correction.py``), which reweighs the tokens for having
+    been drawn from the engine and reports the mismatch."""
     scored = score_rows(model_chunks, [(r.context_ids, r.response_ids) for r in rows], max_tokens_per_microbatch,
                         device)
-    diffs = [t - e for row, trainer in zip(rows, scored, strict=True)
-             for t, e in zip(trainer, row.response_logprobs, strict=True)]
-    stats = {}
-    if diffs:
-        stats = {"engine_logprob_abs_diff": sum(abs(d) for d in diffs) / len(diffs),
-                 "engine_kl": sum(math.exp(d) - d - 1.0 for d in diffs) / len(diffs)}
-    return [replace(row, response_logprobs=trainer) for row, trainer in zip(rows, scored, strict=True)], stats
+    return [replace(row, response_logprobs=trainer, engine_logprobs=row.response_logprobs)
+            for row, trainer in zip(rows, scored, strict=True)]

@@ -39,8 +39,6 @@ FRESH_TOLERANCE = 1e-4  # the same bf16 weights in a fresh vLLM, the same prefil
 ROWS = VLLM_ROWS
 TOY_PROMPT = {"id": "p0", "domain": "brief", "prompt": "You are a user who answers in very few words.",
               "opening": "Hi! How are you today?", "reference": 2}
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +92,7 @@ def _colocated(rank, world_size, config_kwargs, train):
         "megatron_tp_ranks": dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()),
         "trainer": score_rows(loop.trainer.model, list(zip(prompts, responses, strict=True)), 4096, loop.device),
         "engine": engine.score(prompts, responses),
+        "state": engine.deltanet_state_dtypes(),
     }
     sampling = SamplingParams(max_new_tokens=8, temperature=0.7, seed=3)
     first, again = engine.generate(prompts, sampling), engine.generate(prompts, sampling)
@@ -151,6 +150,11 @@ def test_the_engine_tp_group_is_megatrons(layout):
         assert result["vllm_tp_ranks"] == result["megatron_tp_ranks"] == list(range(len(layout)))
 
 
+def test_the_engine_keeps_the_deltanet_recurrent_state_in_fp32_as_the_trainer_does(layout):
+    for result in layout:  # the conv state holds bf16 activations, in the trainer too: bf16 loses nothing there
+        assert result["state"] == {"config": "float32", "conv": "bfloat16", "recurrent": "float32"}
+
+
 def test_after_the_sync_the_engine_scores_like_the_trainer(layout):
     for result in layout:
         print(f"MEASURED TP={len(layout)} engine vs trainer: {max_abs_diff(result['engine'], result['trainer']):.3g}")
@@ -181,9 +185,7 @@ def served(tp1, tmp_path_factory):
     export = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", "--load", str(work / "ckpt"),
                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert export.returncode == 0, export.stderr[-3000:]
-    template = out / "chatml.jinja"
-    template.write_text(CHATML)
-    with VLLMServer(out, tmp_path_factory.mktemp("server") / "server.log", chat_template=template) as server:
+    with VLLMServer(out, tmp_path_factory.mktemp("server") / "server.log") as server:
         yield server
 
 
@@ -194,6 +196,11 @@ def test_after_a_step_and_the_second_sync_the_engine_equals_a_fresh_vllm_of_the_
           f"stale vs fresh: {max_abs_diff(result['engine'], fresh):.3g}")
     assert max_abs_diff(result["after"], fresh) <= FRESH_TOLERANCE
     assert max_abs_diff(result["engine"], fresh) > 1.0  # the stale weights scored otherwise (measured 4.25)
+
+
+def test_a_vllm_serve_of_the_export_keeps_the_deltanet_recurrent_state_in_fp32(served):
+    assert json.loads((served.model_dir / "config.json").read_text())["mamba_ssm_dtype"] == "float32"
+    assert served.vllm_config()["cache_config"]["mamba_ssm_cache_dtype"] == "float32"
 
 
 def test_the_rl_step_logs_engine_mismatch_sync_time_and_throughput(tp1):

@@ -38,18 +38,28 @@ def _with_old_logprobs(model, rows, seed=1):
     return out
 
 
-def _reference(model, rows, advantages):
-    """sum over response tokens of -min(r A, clip(r) A), divided by the number of response tokens."""
+def _rollout_weights(rows):
+    """Rollout-correction weights as MIS gives them: some tokens rejected (0), the others around 1."""
+    weights = []
+    for i, r in enumerate(rows):
+        weights.append([0.0 if (i + k) % 4 == 0 else 0.6 + 0.1 * k for k in range(len(r.response_ids))])
+    return weights
+
+
+def _reference(model, rows, advantages, weights=None):
+    """sum over response tokens of -w min(r A, clip(r) A), divided by the number of response tokens with w != 0
+    (w = 1 without weights)."""
     model.zero_grad()
     total, count = 0.0, 0
-    for r, a in zip(rows, advantages, strict=True):
+    for i, (r, a) in enumerate(zip(rows, advantages, strict=True)):
         ids = torch.tensor([r.context_ids + r.response_ids])
         logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
         start = len(r.context_ids) - 1
         new = torch.stack([logp[start + k, t] for k, t in enumerate(r.response_ids)])
         ratio = torch.exp(new - torch.tensor(r.response_logprobs))
-        total = total - torch.minimum(ratio * a, ratio.clamp(1 - EPS, 1 + EPS) * a).sum()
-        count += len(r.response_ids)
+        w = torch.ones(len(r.response_ids)) if weights is None else torch.tensor(weights[i])
+        total = total - (w * torch.minimum(ratio * a, ratio.clamp(1 - EPS, 1 + EPS) * a)).sum()
+        count += int((w != 0).sum())
     loss = total / count
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -75,7 +85,7 @@ def test_microbatch_plan_is_balanced_bounded_and_equal_in_count():
         plan_microbatches([101], 1, 100)
 
 
-def _update_in_layout(rank, world_size, tp, sp, hf_state, rows, advantages):
+def _update_in_layout(rank, world_size, tp, sp, hf_state, rows, advantages, weights):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -100,20 +110,22 @@ def _update_in_layout(rank, world_size, tp, sp, hf_state, rows, advantages):
     scheduler = OptimizerParamScheduler(optimizer, 0.0, 0.0, 0.0, 0, 10, "constant", 0.0, 0.0, 10, "constant")
     result = policy_update([model], optimizer, scheduler, rows, advantages,
                            PolicyLossConfig(clip_eps_low=EPS, clip_eps_high=EPS), max_tokens_per_microbatch=24,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), rollout_weights=weights)
     grads = gather_hf_tensors(module, PRESET, provider.padded_vocab_size, grads=True)
     parallel_state.destroy_model_parallel()
     return result, grads
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "sp"), [(2, True), (1, False)], ids=["tp2-sp", "dp2"])
-def test_policy_update_matches_the_formula_on_transformers(tp, sp):
+@pytest.mark.parametrize(("tp", "sp", "weighted"), [(2, True, True), (1, False, False)],
+                         ids=["tp2-sp-rollout-weights", "dp2"])
+def test_policy_update_matches_the_formula_on_transformers(tp, sp, weighted):
     hf = hf_reference(seed=7)
     rows, advantages = _rows()
     rows = _with_old_logprobs(hf, rows)
-    ref_loss, ref_grads = _reference(hf, rows, advantages)
-    for result, grads in run_distributed(_update_in_layout, 2, tp, sp, hf.state_dict(), rows, advantages):
+    weights = _rollout_weights(rows) if weighted else None
+    ref_loss, ref_grads = _reference(hf, rows, advantages, weights)
+    for result, grads in run_distributed(_update_in_layout, 2, tp, sp, hf.state_dict(), rows, advantages, weights):
         assert abs(result["pg_loss"] - ref_loss) <= 1e-5, (result, ref_loss)
         assert result["microbatches"] >= 2 and 0 < result["clip_frac_low"] + result["clip_frac_high"] < 1
         for name, g in ref_grads.items():

@@ -1,0 +1,103 @@
+"""The memory plan against independent counts: transformers' parameter count of the same model at every layout, a
+real tiny run's sharded states, the saved tensors measured at a length the fit never saw, and a hand count of the
+SwiGLU MLP's activations."""
+
+import pytest
+import torch
+
+from tests.multiproc import run_distributed
+from tests.training.memory import planning
+
+NINE_B_TEXT_PARAMETERS = 8_953_803_264  # Qwen3.5-9B without the MTP layer (DESIGN.md: 8.95B)
+
+
+def test_the_plan_counts_every_preset_whole_at_every_tp_and_pp(planner):
+    """Each stage's shard, built by megatron for one rank, adds up (TP shards times TP, replicated tensors once, no
+    vocabulary padding, 4B's tied output layer once) to transformers' model, at TP 1/2/4/8 x PP 1/2/4."""
+    result = planner.submit(planning.whole_model_counts, ["tiny", "4b", "9b"], [1, 2, 4, 8], [1, 2, 4]).result()
+    assert result["hf"]["9b"] == NINE_B_TEXT_PARAMETERS
+    assert {key[0] for key in result["plan"]} == {"tiny", "4b", "9b"}
+    assert len([key for key in result["plan"] if key[0] == "9b"]) == 12  # every layout is valid for 9B
+    wrong = {key: count for key, count in result["plan"].items() if count != result["hf"][key[0]]}
+    assert not wrong
+
+
+def _real_run_states(rank, world_size, fields):
+    """A real tiny trainer on this gloo rank after one optimizer step (Adam creates its moments there): the bytes of
+    its DDP parameter and gradient buffers and of its optimizer states."""
+    from megatron.core import parallel_state
+
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.train import Trainer
+
+    trainer = Trainer(TrainConfig(**fields), tokenizer_dir="unused")
+    trainer.optimizer.step()
+    buffers = [b for model in trainer.model for b in model.buffers]
+    optimizer = 0
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for state in opt.optimizer.state.values():
+            optimizer += sum(t.numel() * t.element_size() for name, t in state.items() if name != "step")
+        optimizer += sum(t.numel() * t.element_size() for group in opt.shard_fp32_from_float16_groups for t in group)
+    return {"pp": parallel_state.get_pipeline_model_parallel_rank(), "dp": parallel_state.get_data_parallel_rank(),
+            "parameters": sum(b.param_data.numel() * b.param_data.element_size() for b in buffers),
+            "gradients": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            "optimizer": optimizer}
+
+
+@pytest.mark.slow
+def test_state_bytes_equal_a_real_tiny_runs_sharded_states(planner):
+    """bf16 tiny with tied embeddings at PP=2 x DP=2: the distributed optimizer shards over 2 ranks and the last
+    stage holds its own copy of the embedding; the plan's bytes per stage equal the real ranks' to the byte."""
+    fields = dict(model="tiny", pipeline_model_parallel_size=2, bf16=True, global_batch_size=4,
+                  model_overrides={"tie_word_embeddings": True})
+    planned = planner.submit(planning.stage_state_bytes, fields, 4).result()
+    real = run_distributed(_real_run_states, 4, fields)
+    for rank in real:
+        if rank["dp"] == 0:
+            assert {k: rank[k] for k in ("parameters", "gradients", "optimizer")} == planned[rank["pp"]], rank
+    assert all(stage["optimizer"] > 0 for stage in planned)
+
+
+@pytest.mark.parametrize("preset, tp, head", [("9b", 4, "lm"), ("tiny", 2, "policy")])
+def test_activation_fits_predict_the_bytes_measured_at_another_length(planner, preset, tp, head):
+    """The plan scales what it measured at two short rows to any length; here it is checked against the saved tensors
+    of the same real modules measured at a third length (9B at the paper's TP=4 with the LM loss, tiny at TP=2 with
+    the GRPO + CSD + KL loss): every layer kind, the embedding and the head agree to the byte."""
+    third = 5 * 32 * tp  # measurement_lengths: 64 and 128 tokens per TP rank
+    result = planner.submit(planning.activations_at_another_length, preset, tp, head, third).result()
+    assert set(result) == {"deltanet", "attention", "embedding", "head"}
+    for name, (planned, measured) in result.items():
+        assert measured > 0 and planned == pytest.approx(measured, abs=0.5), name
+
+
+@pytest.mark.parametrize("fused, values_per_token", [(True, 3), (False, 5)])
+def test_fused_swiglu_keeps_3f_and_unfused_5f_per_token(fused, values_per_token):
+    """The 9B MLP at its real width (F = 12288): megatron's fused SwiGLU keeps its input, the fc1 output (2F), and fc2
+    keeps the SwiGLU output (F); unfused glu() also keeps silu(x) and the new x_linear + 0.0 (F each)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megatron_mimesis.models.config import transformer_config
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.training.memory.saved import SavedTensors
+    from tests.models.harness import init_single_process_megatron
+
+    init_single_process_megatron()
+    preset = get_preset("9b").replace(num_layers=4)
+    config = transformer_config(preset, params_dtype=torch.bfloat16, perform_initialization=False,
+                                bias_activation_fusion=fused)
+    mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    tokens = 16
+    x = torch.zeros(tokens, 1, preset.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    with SavedTensors(exclude=[x, *mlp.parameters()]) as saved:
+        out, _ = mlp(x)
+    assert saved.bytes == values_per_token * preset.ffn_hidden_size * tokens * 2
+    assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("method, layers", [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 3)])
+def test_full_recompute_keeps_what_the_plan_counts(planner, method, layers):
+    """megatron's block with full recompute, measured on the real modules: checkpointed groups keep their input
+    only, the others everything; the plan's model of it gives the same bytes."""
+    measured, planned = planner.submit(planning.checkpointed_block, method, layers, 256).result()
+    assert measured == pytest.approx(planned, abs=0.5)

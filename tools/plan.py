@@ -1,0 +1,81 @@
+"""The memory plan of a stage config per GPU, with no other work: the table its ``--dry-run`` prints.
+
+    mimesis-plan --config launch/configs/midtrain_9b.yaml [--nodes 4] [--gpus-per-node 8] [--json] [stage flags ...]
+
+The config's ``stage`` picks the options (mid-training and SFT, simulator RL, agent RL), and any of that stage's
+flags overrides the file (``--tensor-model-parallel-size 8``, ``--recompute-granularity full``, ``--gpu H100-80GB``,
+``--gpu-memory-gib 94``). The job's size defaults to that of the stage's SLURM file beside the config
+(``launch/slurm/<stage>.sbatch``: the paper's node layout), else one node of 8 GPUs. Only what a plan needs is
+checked (model, layout, batch): no dataset, tokenizer or checkpoint has to exist. Exit 0 when every stage and phase
+fits the GPU with the kept margin; 2, with the one-line reason (its biggest term and the cheapest change that fits),
+when it does not or the config is invalid.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+RL_STAGES = {"rl_simulator": "megatron_mimesis.rl.simulator.config:SimulatorRLConfig",
+             "rl_agent": "megatron_mimesis.rl.agent.config:AgentRLConfig"}
+
+
+def _config_class(stage: str):
+    import importlib
+
+    if stage not in RL_STAGES:
+        from megatron_mimesis.training.config import TrainConfig
+
+        return TrainConfig
+    module, name = RL_STAGES[stage].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def sbatch_layout(config_path: str, stage: str) -> tuple[int, int] | None:
+    """(nodes, GPUs per node) that ``launch/slurm/<stage>.sbatch`` asks SLURM for, found beside the config's folder."""
+    sbatch = Path(config_path).resolve().parent.parent / "slurm" / f"{stage}.sbatch"
+    if not sbatch.is_file():
+        return None
+    text = sbatch.read_text()
+    nodes, gpus = (re.search(rf"^#SBATCH --{key}=(\d+)", text, re.M) for key in ("nodes", "gpus-per-node"))
+    return (int(nodes.group(1)), int(gpus.group(1))) if nodes and gpus else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mimesis-plan", description=__doc__.split("\n\n")[0],
+                                     epilog="Any flag of the config's stage follows, as for its --dry-run.")
+    parser.add_argument("--config", required=True, help="a stage's YAML config (launch/configs/*.yaml)")
+    parser.add_argument("--nodes", type=int, help="nodes of the job (default: the stage's sbatch file, else 1)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the stage's sbatch file, else 8)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    args, stage_flags = parser.parse_known_args(argv)
+
+    from megatron_mimesis.compat import hide_cpu_notices
+
+    hide_cpu_notices()
+    from megatron_mimesis.training.config import ConfigError, parse_config
+    from megatron_mimesis.training.memory.plan import plan_training, print_plan
+
+    try:
+        with open(args.config) as f:
+            stage = (yaml.safe_load(f) or {}).get("stage", "midtrain")
+        nodes, gpus_per_node = sbatch_layout(args.config, stage) or (1, 8)
+        world_size = (args.nodes or nodes) * (args.gpus_per_node or gpus_per_node)
+        config, _ = parse_config(["--config", args.config, *stage_flags], _config_class(stage), prog="mimesis-plan")
+        config.validate_without_files(world_size)
+        if stage in RL_STAGES:
+            from megatron_mimesis.rl.memory import plan_rl
+
+            plan, refusal = plan_rl(config, world_size)
+        else:
+            plan, refusal = plan_training(config, world_size)
+    except (ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return print_plan(plan, refusal, resolved={} if args.json else None, table=not args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
