@@ -10,6 +10,7 @@ negative ``lr`` or a zero ``log_interval`` never reaches megatron (where it woul
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import types
@@ -55,6 +56,8 @@ AT_LEAST_1 = Range(1)
 NON_NEGATIVE = Range(0)
 POSITIVE = Range(0, low_open=True)
 FRACTION = Range(0, 1, high_open=True)  # Adam betas: 1 would never forget
+
+MODEL_OVERRIDES = "model_overrides"
 
 # A resumed run continues the schedule its checkpoint was saved in. These options define that schedule: the LR
 # curve (megatron's scheduler state is restored from the checkpoint) and the data order (the blended dataset's
@@ -123,8 +126,11 @@ class TrainConfig:
         "start over in a save directory that already holds checkpoints, from the configured starting weights: the "
         "run's checkpoints replace those of the same iteration and `latest` moves to its own. Off by default: a "
         "save directory holding a checkpoint is resumed (a requeued or rerun job continues its own progress)")})
-    # faults
-    max_skipped_iters: int = 10  # non-finite loss: skip the step; the run stops at the max_skipped_iters-th skip
+    # faults: a step with a non-finite loss or gradient is skipped; the run stops (without saving: the last checkpoint
+    # stays the one to resume from) at the max_consecutive_skipped_iters-th skip in a row (a divergence), or at the
+    # max_skipped_iters-th of the run (isolated skips that keep coming)
+    max_consecutive_skipped_iters: int = 10
+    max_skipped_iters: int = 100
     seed: int = 1234
     exit_signal_handler: bool = True  # SIGTERM / SIGUSR1: save a checkpoint, then exit for requeue
     exit_interval: int | None = None  # save and exit after an iteration divisible by this (scheduled stops)
@@ -148,6 +154,14 @@ class TrainConfig:
         "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
         "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE,
+        "max_consecutive_skipped_iters": AT_LEAST_1,
+        # the preset's sizes, as model_overrides may set them (checked on the resolved preset)
+        **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (
+            "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")},
+        f"{MODEL_OVERRIDES}.rotary_base": POSITIVE, f"{MODEL_OVERRIDES}.rotary_percent": Range(0, 1, low_open=True),
+        f"{MODEL_OVERRIDES}.rms_norm_eps": POSITIVE, f"{MODEL_OVERRIDES}.mtp_num_layers": NON_NEGATIVE,
     }
 
     # ------------------------------------------------------------------
@@ -186,16 +200,28 @@ class TrainConfig:
             raise ConfigError(f"data_path: {self.data_path} does not exist")
 
     def check_ranges(self) -> None:
-        """Each numeric option is a number of its field's type, inside its ``RANGES`` entry (None where allowed)."""
-        hints = typing.get_type_hints(type(self))
+        """Each numeric option, and each size of the preset ``model_overrides`` may change, is a finite number of its
+        field's type inside its ``RANGES`` entry (None where allowed)."""
+        unknown = sorted(set(self.model_overrides) - {f.name for f in dataclasses.fields(Qwen35Preset)} - {"name"})
+        if unknown:
+            raise ConfigError(f"{MODEL_OVERRIDES}: unknown preset field(s) {unknown}")
+        hints, preset_hints = typing.get_type_hints(type(self)), typing.get_type_hints(Qwen35Preset)
+        preset = get_preset(self.model).replace(**self.model_overrides) if self.model in PRESETS else None
         for name, allowed in self.RANGES.items():
-            value = getattr(self, name)
-            if value is None and type(None) in typing.get_args(hints[name]):
+            if name.startswith(f"{MODEL_OVERRIDES}."):
+                if preset is None:
+                    continue
+                hint, value = preset_hints[name.split(".", 1)[1]], getattr(preset, name.split(".", 1)[1])
+            else:
+                hint, value = hints[name], getattr(self, name)
+            if value is None and type(None) in typing.get_args(hint):
                 continue
-            kind = _flag_type(hints[name])
+            kind = _flag_type(hint)
             if isinstance(value, bool) or not isinstance(value, int if kind is int else int | float):
                 expected = "an integer" if kind is int else "a number"
                 raise ConfigError(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value:g}")
             if value not in allowed:
                 raise ConfigError(f"{name} must be {allowed}, got {value:g}")
 

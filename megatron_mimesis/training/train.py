@@ -310,6 +310,7 @@ class Trainer:
         data_iterator = self.train_iterators
         status = 0
         result = {"skipped": False}
+        guard = SkipGuard(c.max_consecutive_skipped_iters, c.max_skipped_iters, progress["skipped_iters"])
 
         def save():
             """A checkpoint of the weights after this step, unless the step was skipped: while the loss is
@@ -322,15 +323,15 @@ class Trainer:
         while progress["iteration"] < c.train_iters:
             start = time.perf_counter()
             result = self.train_step(data_iterator)
-            self.poll_checkpoint()
             elapsed = time.perf_counter() - start
+            self.poll_checkpoint()
             progress["iteration"] += 1
             progress["consumed_samples"] += c.global_batch_size
             it = progress["iteration"]
+            stop = guard.record(result["skipped"])
+            progress["skipped_iters"] = guard.in_run
             if result["skipped"]:
-                progress["skipped_iters"] += 1
-                log.message(f"iteration {it}: non-finite loss or grad, step skipped "
-                            f"({progress['skipped_iters']}/{c.max_skipped_iters})")
+                log.message(f"iteration {it}: non-finite loss or grad, step skipped ({guard})")
             if it % c.log_interval == 0:
                 tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
                 achieved = tokens_per_sec * flops_per_token / self.world_size
@@ -342,9 +343,8 @@ class Trainer:
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })
-            if result["skipped"] and progress["skipped_iters"] >= c.max_skipped_iters:
-                log.message(f"{progress['skipped_iters']} skipped iterations (max_skipped_iters); stopping without "
-                            f"saving (the last checkpoint is intact)")
+            if stop:
+                log.message(f"{stop}; stopping without saving (the last checkpoint is intact)")
                 status = 1
                 break
             if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
@@ -371,6 +371,28 @@ class Trainer:
         """Publish the background save in flight, waiting for it: before the run ends."""
         if self.checkpoints is not None:
             self.checkpoints.wait()
+
+
+class SkipGuard:
+    """The NaN guard's two caps: ``in_a_row`` skipped steps mean a divergence; ``in_run`` (carried across resumes)
+    bounds isolated skips, so that a long run is not stopped by a handful of them spread over days."""
+
+    def __init__(self, max_in_a_row: int, max_in_run: int, in_run: int = 0):
+        self.max_in_a_row, self.max_in_run = max_in_a_row, max_in_run
+        self.in_a_row, self.in_run = 0, in_run
+
+    def record(self, skipped: bool) -> str | None:
+        """Count one step; the reason to stop, when a cap is reached."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        self.in_run += skipped
+        if self.in_a_row >= self.max_in_a_row:
+            return f"{self.in_a_row} skipped iterations in a row (max_consecutive_skipped_iters)"
+        if skipped and self.in_run >= self.max_in_run:
+            return f"{self.in_run} skipped iterations in the run (max_skipped_iters)"
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.in_a_row}/{self.max_in_a_row} in a row, {self.in_run}/{self.max_in_run} in the run"
 
 
 def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> bool:

@@ -159,7 +159,7 @@ def test_diverging_run_skips_non_finite_steps_then_stops(tiny_dataset, tmp_path)
     assert proc.returncode != 0
     records = read_metrics(tmp_path)
     assert records[-1]["skipped_iters"] == 2 and records[-1]["iteration"] < 40
-    assert "2 skipped iterations (max_skipped_iters); stopping" in proc.stdout + proc.stderr
+    assert "2 skipped iterations in the run (max_skipped_iters); stopping" in proc.stdout + proc.stderr
     assert any(r["loss"] is None for r in records)  # non-finite losses are logged as null, not dropped
     skipped = {r["iteration"] for before, r in zip([{"skipped_iters": 0}, *records[:-1]], records, strict=True)
                if r["skipped_iters"] > before["skipped_iters"]}

@@ -7,6 +7,7 @@ import typing
 
 import pytest
 
+from megatron_mimesis.models.presets import Qwen35Preset
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
@@ -16,14 +17,14 @@ from tests.checkpoints import small_checkpoint
 from tests.training.memory.planning import trainer_dry_run
 
 
-def _numeric_fields(cls) -> set[str]:
+def _numeric_fields(cls, prefix: str = "") -> set[str]:
     hints = typing.get_type_hints(cls)
-    return {f.name for f in dataclasses.fields(cls) if _flag_type(hints[f.name]) in (int, float)}
+    return {prefix + f.name for f in dataclasses.fields(cls) if _flag_type(hints[f.name]) in (int, float)}
 
 
 @pytest.mark.parametrize("cls", [TrainConfig, SimulatorRLConfig, AgentRLConfig])
-def test_every_numeric_option_has_a_range(cls):
-    assert _numeric_fields(cls) == set(cls.RANGES)
+def test_every_numeric_option_and_preset_size_has_a_range(cls):
+    assert _numeric_fields(cls) | _numeric_fields(Qwen35Preset, "model_overrides.") == set(cls.RANGES)
 
 
 @pytest.mark.parametrize(("changes", "reason"), [
@@ -40,6 +41,15 @@ def test_every_numeric_option_has_a_range(cls):
     ({"lr": "1e-3"}, r"lr: expected a number, got '1e-3' \(str\)"),  # YAML 1.1 reads 1e-3 as a string
     ({"train_iters": 2.5}, r"train_iters: expected an integer, got 2.5 \(float\)"),
     ({"seed": True}, r"seed: expected an integer, got True \(bool\)"),
+    ({"lr": float("inf")}, "lr must be a finite number, got inf"),
+    ({"clip_grad": float("nan")}, "clip_grad must be a finite number, got nan"),
+    ({"max_consecutive_skipped_iters": 0}, "max_consecutive_skipped_iters must be at least 1, got 0"),
+    ({"model_overrides": {"num_layers": 0}}, "model_overrides.num_layers must be at least 1, got 0"),
+    ({"model_overrides": {"hidden_size": 0}}, "model_overrides.hidden_size must be at least 1, got 0"),
+    ({"model_overrides": {"rms_norm_eps": float("inf")}}, "model_overrides.rms_norm_eps must be a finite number"),
+    ({"model_overrides": {"rotary_percent": 1.5}}, r"model_overrides.rotary_percent must be in \(0, 1\], got 1.5"),
+    ({"model_overrides": {"head_dim": "64"}}, r"model_overrides.head_dim: expected an integer, got '64' \(str\)"),
+    ({"model_overrides": {"num_heads": 8}}, r"model_overrides: unknown preset field\(s\) \['num_heads'\]"),
 ])
 def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes, reason):
     with pytest.raises(ConfigError, match=f"^{reason}") as info:
