@@ -90,12 +90,13 @@ class RLLoop:
         return recompute_old_logprobs(self.trainer.model, rows, self.config.max_tokens_per_microbatch, self.device)
 
     def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None) -> tuple[dict, list]:
-        """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
-        groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
-        rollouts, weigh the tokens for the engine they were sampled from (rollout correction, with the mismatch
-        metrics over all rows), take one optimizer step and refresh the engine. ``teacher``: per-row teacher
-        log-probs (CSD). ``rows`` come from :meth:`on_policy_rows`; with a KL term each rank first scores its own
-        rows under the reference. Returns the update's record and all ranks' summaries.
+        """Gather every data-parallel rank's rows (as tensors: ``update/rows.py``) and rollout summaries
+        (``{"group_id", "reward", ...}``), drop groups with fewer than ``min_valid_rollouts`` scored rollouts
+        (counted), compute advantages over unique rollouts, weigh the tokens for the engine they were sampled from
+        (rollout correction, with the mismatch metrics over all rows), take one optimizer step and refresh the
+        engine. ``teacher``: per-row teacher log-probs (CSD). ``rows`` come from :meth:`on_policy_rows`; with a KL
+        term each rank first scores its own rows under the reference. Returns the update's record and all ranks'
+        summaries.
 
         The advantages come from the rewards of every kept rollout before any weighting: a token or row the
         correction masks still counts in its group's statistics (FoldGRPO's mean and std over unique rollouts)."""
@@ -103,6 +104,7 @@ class RLLoop:
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.policy_step import policy_update
         from megatron_mimesis.rl.update.rollout_correction import rollout_weights
+        from megatron_mimesis.rl.update.rows import StepRows
         from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
@@ -110,42 +112,35 @@ class RLLoop:
         if self.reference is not None:
             ref = score_rows(self.reference, [(r.context_ids, r.response_ids) for r in rows],
                              c.max_tokens_per_microbatch, self.device)
+        step = StepRows.of_rows(rows, teacher, ref).gathered(self.dp_group, self.device)
         gathered = [None] * self.dp_size
-        dist.all_gather_object(gathered, (rows, summaries, teacher, ref), group=self.dp_group)
-        rows = [r for part, _, _, _ in gathered for r in part]
-        summaries = [s for _, part, _, _ in gathered for s in part]
-        teacher = [t for _, _, part, _ in gathered for t in part] if teacher is not None else None
-        ref = [t for _, _, _, part in gathered for t in part] if ref is not None else None
+        dist.all_gather_object(gathered, summaries, group=self.dp_group)
+        summaries = [s for part in gathered for s in part]
         valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
-        keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
-        weights, correction = rollout_weights(rows, c.rollout_correction, c.rollout_correction_level,
+        keep = torch.tensor([valid_per_group[g] >= c.min_valid_rollouts for g in step.group_ids.tolist()],
+                            dtype=torch.bool, device=step.lengths.device)
+        weights, correction = rollout_weights(step, c.rollout_correction, c.rollout_correction_level,
                                               c.rollout_correction_cap)
-        if weights is not None and not any(w for i in keep for w in weights[i]):
-            keep = []  # the correction rejected every token: an optimizer step on nothing would still move Adam
-        record = {"rows": len(rows), "rows_trained": len(keep),
-                  "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep}),
+        if weights is not None:
+            step = step.with_response("rollout_weights", weights)
+            if not weights[keep[step.response_row_index()]].any():
+                keep[:] = False  # the correction rejected every token: an optimizer step on nothing would still move Adam
+        record = {"rows": len(step), "rows_trained": int(keep.sum()),
+                  "groups_without_gradient": len(set(step.group_ids.tolist()) - set(step.group_ids[keep].tolist())),
                   **correction}
-        if not keep:
+        if not keep.any():
             record["update_applied"] = False
             return record, summaries
-        kept = [rows[i] for i in keep]
-        advantages = foldgrpo_advantages(
-            torch.tensor([r.reward for r in kept], dtype=torch.float32),
-            torch.tensor([r.group_id for r in kept]), torch.tensor([r.rollout_id for r in kept]), impl="torch",
-        ).tolist()
+        kept = step.select(keep)
+        advantages = foldgrpo_advantages(kept.rewards.float(), kept.group_ids, kept.rollout_ids, impl="torch")
         start = time.perf_counter()
-        record.update(policy_update(
-            self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept, advantages, loss_config,
-            c.max_tokens_per_microbatch, self.device,
-            teacher_logprobs=[teacher[i] for i in keep] if teacher is not None else None,
-            ref_logprobs=[ref[i] for i in keep] if ref is not None else None,
-            rollout_weights=[weights[i] for i in keep] if weights is not None else None,
-        ))
+        record.update(policy_update(self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept,
+                                    advantages, loss_config, c.max_tokens_per_microbatch, self.device))
         record["train_time_s"] = time.perf_counter() - start
         start = time.perf_counter()
         refresh_engine(self.engine, self.trainer)
         record["weight_sync_time_s"] = time.perf_counter() - start
-        record["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
+        record["advantage_abs_mean"] = advantages.abs().double().mean().item()
         return record, summaries
 
     def run(self) -> int:
