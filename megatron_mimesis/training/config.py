@@ -134,6 +134,10 @@ class TrainConfig:
     seed: int = 1234
     exit_signal_handler: bool = True  # SIGTERM / SIGUSR1: save a checkpoint, then exit for requeue
     exit_interval: int | None = None  # save and exit after an iteration divisible by this (scheduled stops)
+    # how long a collective waits for a peer before it fails the job, for every process group: the world, megatron's
+    # and the colocated vLLM's (Megatron-LM's --distributed-timeout-minutes); a wait in it outlasts nothing slower
+    # than the slowest rank's work between two collectives
+    distributed_timeout_minutes: int = 10
     # size overrides of the preset (the demo sets vocab_size from its tokenizer)
     model_overrides: dict = field(default_factory=dict)
     # the memory plan that --dry-run prints and the launcher checks before any rank starts (training/memory/)
@@ -154,7 +158,7 @@ class TrainConfig:
         "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
         "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE,
-        "max_consecutive_skipped_iters": AT_LEAST_1,
+        "max_consecutive_skipped_iters": AT_LEAST_1, "distributed_timeout_minutes": AT_LEAST_1,
         # the preset's sizes, as model_overrides may set them (checked on the resolved preset)
         **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (
             "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",

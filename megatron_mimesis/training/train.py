@@ -10,6 +10,7 @@ megatron-core's: model chunks per (virtual) pipeline stage, DDP with fp32 main g
 optimizer, the 1F1B / interleaved schedules, the param scheduler, dist checkpointing.
 """
 
+import datetime
 import json
 import math
 import os
@@ -124,7 +125,8 @@ class Trainer:
         self.tokenizer_dir = tokenizer_dir
         cpu = enable_cpu_compat()
         if not dist.is_initialized():
-            dist.init_process_group("gloo" if cpu else "nccl")
+            dist.init_process_group("gloo" if cpu else "nccl",
+                                    timeout=datetime.timedelta(minutes=config.distributed_timeout_minutes))
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.device = compute_device()
@@ -134,6 +136,7 @@ class Trainer:
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             context_parallel_size=config.context_parallel_size,
+            distributed_timeout_minutes=config.distributed_timeout_minutes,
         )
         torch.manual_seed(config.seed)
         model_parallel_cuda_manual_seed(config.seed)

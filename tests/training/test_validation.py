@@ -73,6 +73,16 @@ def test_rl_options_out_of_range_are_refused(cls, changes, reason):
         cls(**changes).validate(1)
 
 
+def test_a_generate_call_must_end_before_the_collective_timeout_of_the_replicas_waiting_for_it():
+    with pytest.raises(ConfigError, match=r"^generation_timeout_s 1800 is not below distributed_timeout_minutes 30 x 60: "
+                                          r".*; raise distributed_timeout_minutes$"):
+        SimulatorRLConfig(generation_timeout_s=1800, distributed_timeout_minutes=30).validate_without_files(1)
+    SimulatorRLConfig(generation_timeout_s=1799, distributed_timeout_minutes=30).validate_without_files(1)
+    AgentRLConfig(generation_timeout_s=None, distributed_timeout_minutes=1).validate_without_files(1)  # no limit: nothing to compare
+    with pytest.raises(ConfigError, match="^distributed_timeout_minutes must be at least 1, got 0"):
+        TrainConfig(distributed_timeout_minutes=0).validate_without_files(1)
+
+
 def _manifest(path, sha="a" * 64):
     path.mkdir(exist_ok=True)
     tokenizer = {"vocab_size": 500, "sha256": sha, "path": str(path / "tokenizer")}
