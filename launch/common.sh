@@ -57,13 +57,36 @@ set_gpu_env() {
   export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
   # Bootstrap traffic off loopback and docker bridges; set NCCL_IB_HCA (e.g. mlx5) for your fabric.
   export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
+  # gloo (megatron-core's CPU-side groups, vLLM's) finds its interface through the hostname, which on many nodes
+  # resolves to 127.0.1.1 or a bridge: startup then hangs. It takes NCCL's interfaces when those are named, else
+  # the default route's; export GLOO_SOCKET_IFNAME to choose.
+  if [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+    local gloo_ifname
+    gloo_ifname="$(gloo_interface)"
+    if [[ -n "$gloo_ifname" ]]; then export GLOO_SOCKET_IFNAME="$gloo_ifname"; fi
+  fi
   export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
   local cores
   cores="$(nproc)"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cores / gpus_per_node > 0 ? cores / gpus_per_node : 1))}"
-  env_names=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_SOCKET_IFNAME NCCL_IB_TIMEOUT
-    NCCL_DEBUG OMP_NUM_THREADS)
+  env_names=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
+    NCCL_IB_TIMEOUT NCCL_DEBUG OMP_NUM_THREADS)
+}
+
+# The interfaces for gloo: NCCL_SOCKET_IFNAME when it lists interfaces of this node by their full names (gloo takes
+# neither NCCL's ^exclusions, =exact form nor name prefixes such as "ib"), else the interface of this node's default
+# route; empty when neither is known.
+gloo_interface() {
+  local names name
+  IFS=, read -ra names <<<"$NCCL_SOCKET_IFNAME"
+  for name in "${names[@]}"; do
+    [[ -n "$name" && -e "/sys/class/net/$name" ]] || {
+      ip -o route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}'
+      return
+    }
+  done
+  echo "$NCCL_SOCKET_IFNAME"
 }
 
 set_cpu_env() {

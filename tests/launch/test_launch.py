@@ -211,3 +211,26 @@ def test_the_demo_plots_and_summarises_the_log_dir_it_was_given(fake):
     summary = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(f"summary:     loss {first:.3f} over the first 10 steps, {last:.3f} over the last 10 "
                         r"\(25 steps\), valid 7.250 at step 25; wall \d+ min \d+ s", summary), summary
+
+
+def test_gloo_takes_nccls_interfaces_or_the_default_routes_unless_set(fake):
+    """The dry run shows the default route's interface (NCCL's default ``^lo,docker`` is an exclusion, which gloo
+    cannot take); the launcher's own set_gpu_env gives named NCCL interfaces to gloo and keeps an exported one."""
+    tmp_path, env = fake
+    env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    write_exe(tmp_path / "bin" / "ip", "#!/bin/sh\necho 'default via 10.1.2.3 dev eth7 proto static'\n")
+    result = run("midtrain.sh", ["--dry-run"], slurm_env(env, tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("GLOO_SOCKET_IFNAME=")] == [
+        "GLOO_SOCKET_IFNAME=eth7"]
+
+    def gloo_ifname(**extra):
+        shell = 'source launch/common.sh && gpus_per_node=8 && set_gpu_env && echo "$GLOO_SOCKET_IFNAME"'
+        return subprocess.run(["bash", "-c", shell], cwd=REPO, env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert gloo_ifname() == "eth7"
+    assert gloo_ifname(NCCL_SOCKET_IFNAME="lo") == "lo"  # interfaces of this node by name: gloo takes them too
+    for nccl_only in ("=lo", "ib", "lo,ib"):  # NCCL's exact form, a prefix: not for gloo
+        assert gloo_ifname(NCCL_SOCKET_IFNAME=nccl_only) == "eth7", nccl_only
+    assert gloo_ifname(GLOO_SOCKET_IFNAME="bond0") == "bond0"
