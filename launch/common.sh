@@ -139,6 +139,33 @@ print_dry_run() {
     "${train_args[@]}" --dry-run
 }
 
+# The trainer's log directory (--log-dir, else the config's, else the trainer's default) and, in it, the record of
+# a stop for requeue that rank 0 writes once its checkpoint is published (training/run_log.py).
+exit_record() {
+  local log_dir
+  log_dir="$(flag_value --log-dir)"
+  log_dir="${log_dir:-$(config_value log_dir)}"
+  log_dir="${log_dir:-$("$PYTHON" -c 'from megatron_mimesis.training.config import TrainConfig; print(TrainConfig.log_dir)')}"
+  echo "$log_dir/exit.json"
+}
+
+# The status a launch ends with: torchrun reports a preemption signal as a failure (exit 1 and a traceback) even
+# after the ranks saved and left cleanly; a run whose record says its checkpoint was saved has been handled (0, one
+# line); anything else keeps torchrun's status.
+launch_status() {
+  local status="$1" record="$2" said
+  ((status != 0)) || return 0
+  [[ -f "$record" ]] || return "$status"
+  said="$("$PYTHON" -c 'import json, sys
+record = json.load(open(sys.argv[1]))
+if record.get("saved"):
+    print("preempted (%s): stopped at iteration %d with its checkpoint saved; exit 0 for the requeue"
+          % (record.get("signal") or "a signal", record["iteration"]))' "$record")" || return "$status"
+  [[ -n "$said" ]] || return "$status"
+  echo "$said" >&2
+  return 0
+}
+
 # srun in the background so that the batch shell can take SIGUSR1 from `sbatch --signal=B:USR1@T`,
 # forward it (srun relays it to every task: the torchrun agents, which pass it on to the trainer ranks),
 # wait for the save, and requeue the job.
@@ -156,7 +183,7 @@ run_srun() {
     echo "requeueing job $SLURM_JOB_ID" >&2
     scontrol requeue "$SLURM_JOB_ID"
   fi
-  return "$status"
+  launch_status "$status" "$record"
 }
 
 run_demo_data() {
@@ -267,6 +294,8 @@ launch() {
     print_dry_run
     return 0
   fi
+  record="$(exit_record)"
+  rm -f "$record"
   if ((in_slurm)); then
     check_config
     run_srun
@@ -274,6 +303,8 @@ launch() {
   fi
   if ((demo)); then run_demo_data; fi
   check_config
-  "${torchrun_cmd[@]}"
+  local status=0
+  "${torchrun_cmd[@]}" || status=$?
+  launch_status "$status" "$record" || return
   if ((demo)); then report_demo; fi
 }

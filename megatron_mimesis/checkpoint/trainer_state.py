@@ -162,6 +162,7 @@ class CheckpointSaver:
         self.root = Path(root)
         self._calls = AsyncCallsQueue() if asynchronous else None
         self._writing: int | None = None  # the iteration whose write is in flight
+        self.last_saved: int | None = None  # the iteration this run last saved (or resumed from) in root
 
     def save(self, iteration: int, model_chunks, optimizer, scheduler, progress: dict, run_config: dict,
              tokenizer_dir: str | Path | None = None) -> None:
@@ -174,6 +175,7 @@ class CheckpointSaver:
             tmp.mkdir(parents=True)
 
         _on_rank_zero(fresh_directory, self._failed(iteration))
+        self.last_saved = iteration
         state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
         with self._failures_raised(iteration):
             request = save_request(state, tmp, forked=self._calls is not None)

@@ -289,7 +289,10 @@ class Trainer:
             self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
             return fresh
         if c.load:
-            return load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+            if self.checkpoints is not None and Path(c.load) == Path(c.save):
+                self.checkpoints.last_saved = progress["iteration"]  # already saved, in the save directory
+            return progress
         return fresh
 
     def run(self, tokenizer_sha256: str) -> int:
@@ -314,6 +317,7 @@ class Trainer:
         status = 0
         result = {"skipped": False}
         guard = SkipGuard(c.max_consecutive_skipped_iters, c.max_skipped_iters, progress["skipped_iters"])
+        stop = None
 
         def save():
             """A checkpoint of the weights after this step, unless the step was skipped: while the loss is
@@ -331,7 +335,7 @@ class Trainer:
             progress["iteration"] += 1
             progress["consumed_samples"] += c.global_batch_size
             it = progress["iteration"]
-            stop = guard.record(result["skipped"])
+            diverged = guard.record(result["skipped"])
             progress["skipped_iters"] = guard.in_run
             if result["skipped"]:
                 log.message(f"iteration {it}: non-finite loss or grad, step skipped ({guard})")
@@ -346,17 +350,20 @@ class Trainer:
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })
-            if stop:
-                log.message(f"{stop}; stopping without saving (the last checkpoint is intact)")
+            if diverged:
+                log.message(f"{diverged}; stopping without saving (the last checkpoint is intact)")
                 status = 1
                 break
             if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
                 log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
-            if save_and_maybe_stop(c, it, exit_signal, log, save):
+            stop = save_and_maybe_stop(c, it, exit_signal, log, save)
+            if stop:
                 break
         else:
             save_final(c, progress["iteration"], save)
         self.wait_for_checkpoint()
+        if stop == "signal":  # the checkpoint is published: say so to the launcher
+            log.stopped_for_requeue(progress["iteration"], exit_signal.received, self.has_saved(progress["iteration"]))
         log.close()
         return status
 
@@ -364,6 +371,10 @@ class Trainer:
         """Checkpoint the state after ``progress["iteration"]`` (written in the background with ``async_save``)."""
         self.checkpoints.save(progress["iteration"], self.model, self.optimizer, self.scheduler, dict(progress),
                               run_config, tokenizer_dir=self.tokenizer_dir)
+
+    def has_saved(self, iteration: int) -> bool:
+        """Whether the save directory holds ``iteration``'s checkpoint, written (or resumed from) by this run."""
+        return self.checkpoints is not None and self.checkpoints.last_saved == iteration
 
     def poll_checkpoint(self) -> None:
         """Publish a background save whose write has finished (once per step, on every rank)."""
@@ -398,22 +409,22 @@ class SkipGuard:
         return f"{self.in_a_row}/{self.max_in_a_row} in a row, {self.in_run}/{self.max_in_run} in the run"
 
 
-def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> bool:
+def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> str | None:
     """End of a step in any stage's loop: the periodic checkpoint, then a stop (saved first) on a preemption
-    signal or at ``exit_interval``. Returns whether the loop must stop."""
+    signal or at ``exit_interval``. Returns why the loop must stop ("signal", "exit_interval"), or None."""
     saved = bool(config.save and config.save_interval and iteration % config.save_interval == 0)
     if saved:
         save()
     stop = None
     if exit_signal is not None and exit_signal.any_rank_received():
-        stop = f"exit signal received at iteration {iteration}: saving and exiting for requeue"
+        stop, line = "signal", f"exit signal received at iteration {iteration}: saving and exiting for requeue"
     elif config.exit_interval and iteration % config.exit_interval == 0 and iteration < config.train_iters:
-        stop = f"exit_interval reached at iteration {iteration}: saving and exiting"
+        stop, line = "exit_interval", f"exit_interval reached at iteration {iteration}: saving and exiting"
     if stop:
-        log.message(stop)
+        log.message(line)
         if config.save and not saved:
             save()
-    return stop is not None
+    return stop
 
 
 def save_final(config, iteration: int, save) -> None:

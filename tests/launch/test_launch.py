@@ -213,6 +213,38 @@ def test_the_demo_plots_and_summarises_the_log_dir_it_was_given(fake):
                         r"\(25 steps\), valid 7.250 at step 25; wall \d+ min \d+ s", summary), summary
 
 
+# torchrun after a preemption: the rank may have written its record of the stop (FAKE_RECORD), then torchrun fails
+FAKE_PREEMPTED_PYTHON = f"""#!/bin/bash
+if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+  if [[ -n "$FAKE_RECORD" ]]; then printf '%s' "$FAKE_RECORD" > "$LOG_DIR/exit.json"; fi
+  echo "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 15" >&2
+  exit 1
+fi
+exec {sys.executable} "$@"
+"""
+
+
+def test_a_preemption_that_saved_exits_0_in_one_line_and_anything_else_keeps_torchruns_status(fake):
+    tmp_path, env = fake
+    python = write_exe(tmp_path / "bin" / "fake-python", FAKE_PREEMPTED_PYTHON)
+    log_dir = tmp_path / "log-dir"
+    log_dir.mkdir()
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": "tiny", "model_overrides": {"vocab_size": 8192}, "seq_length": 256,
+                                  "data_path": str(tmp_path / "demo"), "log_dir": str(log_dir)}))
+    job = {**env, "PYTHON": str(python), "CONFIG": str(config), "LOG_DIR": str(log_dir)}
+    saved = json.dumps({"stopped": "signal", "signal": "SIGTERM", "iteration": 7, "saved": True})
+    result = run("midtrain.sh", [], {**job, "FAKE_RECORD": saved})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == ("preempted (SIGTERM): stopped at iteration 7 with its checkpoint saved; "
+                                              "exit 0 for the requeue")
+    unsaved = json.dumps({"stopped": "signal", "signal": "SIGTERM", "iteration": 7, "saved": False})
+    assert run("midtrain.sh", [], {**job, "FAKE_RECORD": unsaved}).returncode == 1  # nothing to resume from
+    (log_dir / "exit.json").write_text(saved)  # a record of the previous launch is not this one's
+    result = run("midtrain.sh", [], job)
+    assert result.returncode == 1 and "preempted" not in result.stderr and not (log_dir / "exit.json").exists()
+
+
 def test_gloo_takes_nccls_interfaces_or_the_default_routes_unless_set(fake):
     """The dry run shows the default route's interface (NCCL's default ``^lo,docker`` is an exclusion, which gloo
     cannot take); the launcher's own set_gpu_env gives named NCCL interfaces to gloo and keeps an exported one."""
