@@ -17,6 +17,14 @@ import torch.distributed as dist
 from megatron_mimesis.training.config import ConfigError
 
 
+class StepAbandoned(Exception):
+    """A preemption signal reached a rank in the middle of a step: every rank drops the step at the same point."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
 def on_group_leader(fn, group):
     """Run ``fn`` on the group's first rank and give its result to every rank of the group."""
     if group is None or dist.get_world_size(group) == 1:
@@ -48,6 +56,7 @@ class RLLoop:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.reference = self.frozen_copy(config.kl_reference) if config.kl_coef else None
+        self.exit_signal = None  # set by run when the config handles preemption signals
 
     def frozen_copy(self, source: str) -> list:
         """Another model of the policy's architecture and layout with its own weights (an HF directory or a dist
@@ -77,6 +86,28 @@ class RLLoop:
         """This data-parallel rank's slice of the step's prompts/tasks and its offset (for globally unique ids)."""
         share = len(items) // self.dp_size
         return items[self.dp_rank * share:(self.dp_rank + 1) * share], self.dp_rank * share
+
+    def stop_point(self, phase: str) -> None:
+        """Between two phases of a step: drop the step, on every rank together, when a preemption signal reached any
+        rank; the run then saves the last complete step at once instead of finishing this one (an RL step outlasts
+        SLURM's pre-timeout warning). Collective over all ranks."""
+        if self.exit_signal is not None and self.exit_signal.any_rank_received():
+            raise StepAbandoned(phase)
+
+    def rollouts_must_stop(self) -> bool:
+        """After each generation batch: whether a preemption signal reached a rank of this model-parallel group,
+        whose ranks generate in lockstep, so that its rollouts end there (the next :meth:`stop_point` drops the
+        step). Collective over the model-parallel group."""
+        return self.exit_signal is not None and self.exit_signal.any_rank_received(self.mp_group)
+
+    def replica_spread(self, seconds: float) -> dict:
+        """The slowest data-parallel replica's rollout time and its lead over the fastest: what the replicas wait
+        for each other in the next collective, which ``distributed_timeout_minutes`` must exceed."""
+        times = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        every = [torch.empty_like(times) for _ in range(self.dp_size)]
+        dist.all_gather(every, times, group=self.dp_group)
+        every = torch.cat(every)
+        return {"rollout_time_max_s": every.max().item(), "rollout_time_spread_s": (every.max() - every.min()).item()}
 
     def on_policy_rows(self, rows: list) -> list:
         """The rows with the trainer's own old log-probs: as sampled when the engine is the training model,
@@ -162,14 +193,28 @@ class RLLoop:
         self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
                           progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,
                           headline=self.headline)
-        exit_signal = ExitSignal() if c.exit_signal_handler else None
+        self.exit_signal = exit_signal = ExitSignal() if c.exit_signal_handler else None
 
         def save():
             progress["sampler"] = self.sampler.state_dict()
             self.trainer.save_checkpoint(progress, run_config)
 
+        stop = None
         while progress["iteration"] < c.train_iters:
-            record = self.step(progress["iteration"])
+            at_start = self.sampler.state_dict()
+            try:
+                record = self.step(progress["iteration"])
+            except StepAbandoned as abandoned:
+                self.sampler.load_state_dict(at_start)  # the requeued run samples this step's prompts again
+                it = progress["iteration"]
+                unsaved = self.trainer.checkpoints is not None and it > 0 and not self.trainer.has_saved(it)
+                self.log.message(f"exit signal received during iteration {it + 1} (after its {abandoned.phase}): "
+                                 f"stopping at iteration {it}, the last complete step{', saving it,' * bool(unsaved)} "
+                                 f"for requeue")
+                if unsaved:
+                    save()
+                stop = "signal"
+                break
             self.trainer.poll_checkpoint()
             progress["iteration"] += 1
             it = progress["iteration"]
@@ -178,11 +223,15 @@ class RLLoop:
                                          c.rollout_correction_warn_frac)
             if warning:
                 self.log.message(f"step {it}: {warning}")
-            if save_and_maybe_stop(c, it, exit_signal, self.log, save):
+            stop = save_and_maybe_stop(c, it, exit_signal, self.log, save)
+            if stop:
                 break
         else:
             save_final(c, progress["iteration"], save)
         self.trainer.wait_for_checkpoint()
+        if stop == "signal":  # the checkpoint is published: say so to the launcher
+            self.log.stopped_for_requeue(progress["iteration"], exit_signal.received,
+                                         self.trainer.has_saved(progress["iteration"]))
         self.log.close()
         return 0
 
