@@ -278,7 +278,7 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
                     "rollouts_per_step": config.rollouts_per_step}
         return print_plan(*plan_rl(config, world_size), resolved)
     try:
-        config.check_save_dir()  # before any work that a save directory without room would lose
+        config.check_save_dir(world_size)  # before any work that a save directory without room would lose
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -343,30 +343,26 @@ class TrainConfig:
                 f"schedule from its weights with --finetune"
             )
 
-    def checkpoint_bytes(self) -> int:
-        """About what one checkpoint of this run takes on disk: the weights, plus the optimizer's fp32 state
-        (Adam's two moments, and fp32 main params when the weights are bf16)."""
-        from megatron_mimesis.training.flops import parameter_count
-
-        per_param = 2 + 4 + 8 if self.bf16 else 4 + 8
-        return parameter_count(self.preset) * per_param
-
-    def check_save_dir(self) -> None:
+    def check_save_dir(self, world_size: int) -> None:
         """At the start of a run, not at its first save: ``save`` must be a writable directory (or creatable in
         one) with room for a checkpoint, so the hours before the first save are not lost to a typo or a full disk.
-        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoint."""
+        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoint.
+        Called before the process group starts (the size comes from the memory plan's one-rank world)."""
         if not self.save:
             return
+        from megatron_mimesis.training.memory.checkpoint import readable_bytes
+        from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
+
         path = Path(self.save).absolute()
         existing = next(p for p in (path, *path.parents) if p.exists())
         if not existing.is_dir():
             raise ConfigError(f"save: {existing} is not a directory")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"save: {existing} is not writable")
-        free, needed = shutil.disk_usage(existing).free, self.checkpoint_bytes()
+        free, needed = shutil.disk_usage(existing).free, planned_checkpoint_bytes(self, world_size)
         if free < needed:
-            raise ConfigError(f"save: no space left for a checkpoint in {existing}: {free / 2**30:.1f} GiB free, "
-                              f"a checkpoint of this model takes about {needed / 2**30:.1f} GiB")
+            raise ConfigError(f"save: no space left for a checkpoint in {existing}: {readable_bytes(free)} free, "
+                              f"a checkpoint of this run takes about {readable_bytes(needed)}")
 
     # ------------------------------------------------------------------
     @classmethod

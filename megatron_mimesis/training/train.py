@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         return print_plan(*plan_training(config, world_size), resolved)
     try:
-        config.check_save_dir()  # before any work that a save directory without room would lose
+        config.check_save_dir(world_size)  # before any work that a save directory without room would lose
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

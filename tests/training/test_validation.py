@@ -11,10 +11,9 @@ from megatron_mimesis.models.presets import Qwen35Preset
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
-from megatron_mimesis.training.flops import parameter_count
 from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main
 from tests.checkpoints import small_checkpoint
-from tests.training.memory.planning import trainer_dry_run
+from tests.training.memory.planning import save_dir_refusal, trainer_dry_run
 
 
 def _numeric_fields(cls, prefix: str = "") -> set[str]:
@@ -166,27 +165,16 @@ def test_data_of_another_tokenizer_than_the_checkpoint_is_refused_on_load(tmp_pa
     assert "records no tokenizer" in capsys.readouterr().err
 
 
-def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path):
+def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path, planner):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"save: .*/file is not a directory"):
-        TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir()
-    TrainConfig(save=str(tmp_path / "new" / "ckpt")).check_save_dir()  # created at the first save
-    # ~1000 x the 9B model: no disk this runs on has that much room
-    huge = TrainConfig(model="9b", model_overrides={"num_layers": 32_000}, save=str(tmp_path / "ckpt"))
-    with pytest.raises(ConfigError, match=r"save: no space left for a checkpoint in .*: [\d.]+ GiB free, a "
-                                          r"checkpoint of this model takes about [\d.]+ GiB"):
-        huge.check_save_dir()
-
-
-def test_checkpoint_size_estimate_counts_the_parameters_of_the_hf_model():
-    from transformers import Qwen3_5ForCausalLM
-
-    preset = TrainConfig(model_overrides={"vocab_size": 512}).preset
-    hf_params = sum(p.numel() for p in Qwen3_5ForCausalLM(preset.to_hf_config()).parameters())
-    assert abs(parameter_count(preset) - hf_params) / hf_params < 0.01  # norms and biases are left out
-    fp32 = TrainConfig(model_overrides={"vocab_size": 512})
-    assert fp32.checkpoint_bytes() == parameter_count(preset) * (4 + 4 + 4)  # weights, Adam's two moments
-    assert fp32.replace(bf16=True).checkpoint_bytes() == parameter_count(preset) * (2 + 4 + 4 + 4)
+        TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir(1)
+    config = TrainConfig(model_overrides={"vocab_size": 512}, save=str(tmp_path / "new" / "ckpt"))
+    assert planner.submit(save_dir_refusal, config, 1, 2**30).result() is None  # created at the first save
+    # the tiny model at vocab 512 (0.43M parameters, fp32: 16 bytes each), in readable units
+    assert planner.submit(save_dir_refusal, config, 1, 3 * 2**20).result() == (
+        f"save: no space left for a checkpoint in {tmp_path}: 3.0 MiB free, a checkpoint of this run takes about "
+        f"6.6 MiB")
 
 
 def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch, planner):
