@@ -151,7 +151,8 @@ exit_record() {
 
 # The status a launch ends with: torchrun reports a preemption signal as a failure (exit 1 and a traceback) even
 # after the ranks saved and left cleanly; a run whose record says its checkpoint was saved has been handled (0, one
-# line); anything else keeps torchrun's status.
+# line). Anything else keeps torchrun's status, and a rank's recorded error is repeated as the last line, below
+# torchrun's report of the failure.
 launch_status() {
   local status="$1" record="$2" said
   ((status != 0)) || return 0
@@ -160,10 +161,12 @@ launch_status() {
 record = json.load(open(sys.argv[1]))
 if record.get("saved"):
     print("preempted (%s): stopped at iteration %d with its checkpoint saved; exit 0 for the requeue"
-          % (record.get("signal") or "a signal", record["iteration"]))' "$record")" || return "$status"
+          % (record.get("signal") or "a signal", record["iteration"]))
+elif record.get("error"):
+    print("failed (exit %s): %s" % (sys.argv[2], record["error"]))' "$record" "$status")" || return "$status"
   [[ -n "$said" ]] || return "$status"
   echo "$said" >&2
-  return 0
+  [[ "$said" == preempted* ]] || return "$status"
 }
 
 # srun in the background so that the batch shell can take SIGUSR1 from `sbatch --signal=B:USR1@T`,

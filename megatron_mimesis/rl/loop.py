@@ -252,12 +252,11 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     ``--dry-run`` with its memory plan, else run ``loop_cls(config)`` to completion."""
     import os
     import sys
-    from pathlib import Path
 
     from megatron_mimesis.compat import hide_cpu_notices
     from megatron_mimesis.lifetime import tie_rank_to_launcher
     from megatron_mimesis.training.config import parse_config
-    from megatron_mimesis.training.train import announce, run_to_completion
+    from megatron_mimesis.training.train import run_to_completion, start_run
 
     hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
     tie_rank_to_launcher()
@@ -277,11 +276,6 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "rollouts_per_step": config.rollouts_per_step}
         return print_plan(*plan_rl(config, world_size), resolved)
-    try:
-        config.check_save_dir(world_size)  # before any work that a save directory without room would lose
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if not start_run(config, world_size, resuming):
         return 2
-    announce(resuming)
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
     return run_to_completion(lambda: loop_cls(config).run(), config.log_dir)

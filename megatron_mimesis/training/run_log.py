@@ -17,6 +17,13 @@ from tqdm import tqdm
 EXIT_RECORD = "exit.json"  # the launcher reads it (launch/common.sh); a launch removes the previous one
 
 
+def write_exit_record(log_dir: str | Path, record: dict) -> None:
+    """How the run ended, for the launcher (``launch/common.sh``: ``launch_status``), written atomically."""
+    tmp = Path(log_dir) / (EXIT_RECORD + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(log_dir) / EXIT_RECORD)
+
+
 class RunLog:
     def __init__(self, log_dir: str | Path, total_iters: int, start_iter: int, *, enabled: bool,
                  progress: bool = True, wandb_project: str | None = None, run_config: dict | None = None,
@@ -66,9 +73,7 @@ class RunLog:
         if not self.enabled:
             return
         name = signal.Signals(signum).name if signum else None
-        tmp = self.dir / (EXIT_RECORD + ".tmp")
-        tmp.write_text(json.dumps({"stopped": "signal", "signal": name, "iteration": iteration, "saved": saved}))
-        os.replace(tmp, self.dir / EXIT_RECORD)
+        write_exit_record(self.dir, {"stopped": "signal", "signal": name, "iteration": iteration, "saved": saved})
 
     def message(self, text: str) -> None:
         if self.enabled:

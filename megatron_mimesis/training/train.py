@@ -10,6 +10,7 @@ megatron-core's: model chunks per (virtual) pipeline stage, DDP with fp32 main g
 optimizer, the 1F1B / interleaved schedules, the param scheduler, dist checkpointing.
 """
 
+import contextlib
 import datetime
 import json
 import math
@@ -457,13 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         return print_plan(*plan_training(config, world_size), resolved)
-    try:
-        config.check_save_dir(world_size)  # before any work that a save directory without room would lose
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if not start_run(config, world_size, resuming):
         return 2
-    announce(resuming)
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
     tokenizer = manifest["tokenizer"]
     return run_to_completion(lambda: Trainer(config, tokenizer["path"]).run(tokenizer["sha256"]), config.log_dir)
 
@@ -472,6 +468,20 @@ def announce(line: str | None) -> None:
     """A line about the run as a whole (where it starts), once: on rank 0."""
     if line and os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
+
+
+def start_run(config, world_size: int, resuming: str | None) -> bool:
+    """A rank's last checks before any work, which a save directory without room would lose: the save directory,
+    then the line saying where the run starts and its log directory. False, after the one-line error, when the save
+    directory cannot take the run's checkpoints."""
+    try:
+        config.check_save_dir(world_size)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    announce(resuming)
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    return True
 
 
 def run_to_completion(run, log_dir: str | Path) -> int:
@@ -496,6 +506,7 @@ def _report_and_exit(exc: BaseException, log_dir: Path):
     from megatron_mimesis.checkpoint.reader import CheckpointError
     from megatron_mimesis.checkpoint.trainer_state import CheckpointSaveError
     from megatron_mimesis.failures import exit_now, one_line
+    from megatron_mimesis.training.run_log import write_exit_record
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     expected = isinstance(exc, ConfigError | CheckpointError)
@@ -510,7 +521,11 @@ def _report_and_exit(exc: BaseException, log_dir: Path):
         except OSError:
             print(text, file=sys.stderr, end="")
     if rank == 0 or not alike:
-        print(f"error: {f'rank {rank}: ' if world_size > 1 and not alike else ''}{line}", file=sys.stderr)
+        line = f"{f'rank {rank}: ' if world_size > 1 and not alike else ''}{line}"
+        print(f"error: {line}", file=sys.stderr)
+        if rank == 0:  # the launcher repeats it after torchrun's own report of the failure
+            with contextlib.suppress(OSError):
+                write_exit_record(log_dir, {"stopped": "error", "error": line})
     exit_now(2 if expected else 1)
 
 

@@ -36,6 +36,24 @@ def unwritable(directory):
         subprocess.run(["chattr", "-i", str(directory)] if as_root else ["chmod", "u+w", str(directory)], check=True)
 
 
+def _ended_with_one_error(run, failed_at: float, status: int, reasons: tuple[str, ...]) -> str:
+    """The whole job ended within ENDS_WITHIN_S of the failure, non-zero, with one error line from the ranks naming
+    the failed save and its reason, which the launcher repeats as its last line, below torchrun's report of the
+    failure (the reason appears in those two lines only); returns the ranks' line."""
+    ended_after = time.monotonic() - failed_at
+    out = run.output()
+    assert status != 0, out[-4000:]
+    assert ended_after < ENDS_WITHIN_S
+    assert not run.processes(), run.processes()  # ranks, loader workers and checkpoint writers all ended
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out[-4000:]
+    assert errors[0].startswith(f"error: save of iteration {run.latest() + 1} to {run.save} failed: "), errors
+    assert any(reason in errors[0] for reason in reasons), errors
+    assert out.strip().splitlines()[-1] == f"failed (exit {status}): {errors[0].removeprefix('error: ')}"
+    assert sum(any(reason in line for reason in reasons) for line in out.splitlines()) == 2, out[-4000:]
+    return errors[0]
+
+
 def test_a_save_that_fails_mid_run_ends_the_whole_job(tiny_dataset, tmp_path):
     run = LocalRun(tmp_path, tiny_dataset, train_iters=1000, save_interval=1)
     try:
@@ -44,15 +62,22 @@ def test_a_save_that_fails_mid_run_ends_the_whole_job(tiny_dataset, tmp_path):
         with unwritable(run.save):
             failed_at = time.monotonic()
             status = run.wait(timeout=ENDS_WITHIN_S)
-            ended_after = time.monotonic() - failed_at
-        out = run.output()
-        assert status != 0, out[-4000:]
-        assert ended_after < ENDS_WITHIN_S
-        assert not run.processes(), run.processes()  # ranks, loader workers and checkpoint writers all ended
-        errors = [line for line in out.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1, out[-4000:]
-        assert errors[0].startswith(f"error: save of iteration {run.latest() + 1} to {run.save} failed: "), errors
-        assert "Operation not permitted" in errors[0] or "Permission denied" in errors[0], errors
-        assert sum("Operation not permitted" in line or "Permission denied" in line for line in out.splitlines()) == 1
+        _ended_with_one_error(run, failed_at, status, ("Operation not permitted", "Permission denied"))
+    finally:
+        run.kill_leftovers()
+
+
+def test_a_disk_that_fills_at_a_later_save_is_named_in_the_last_line(tiny_dataset, tmp_path):
+    """The second checkpoint's shards meet ENOSPC in the forked writer: the job's last line names "No space left on
+    device" and the save directory, and ``latest`` stays on the first checkpoint."""
+    run = LocalRun(tmp_path, tiny_dataset, train_iters=1000, save_interval=1)
+    run.env["TRAIN_MODULE"] = "tests.launch.full_disk_at_save"
+    try:
+        run.start()
+        run.wait_until(lambda: (run.latest() or 0) >= 1, what="the first checkpoint")
+        failed_at = time.monotonic()
+        status = run.wait(timeout=ENDS_WITHIN_S)
+        _ended_with_one_error(run, failed_at, status, ("No space left on device",))
+        assert run.latest() == 1
     finally:
         run.kill_leftovers()

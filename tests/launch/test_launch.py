@@ -33,6 +33,10 @@ def test_slurm_dry_run_has_paper_layout(fake):
     config = resolved["config"]
     assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
     assert "memory plan per GPU: 9b, TP=4 (SP) PP=1 DP=8 on 32 GPUs;" in out
+    # after the GPU total, in the same table: the checkpoint, its write time and the sbatch lead times from them
+    assert re.search(r"^total \(GiB\) .*\ncheckpoint \(weights, fp32 main copy, Adam m, v\) +116\.\d\d  exact", out, re.M)
+    assert re.search(r"^checkpoint write at 1 GB/s per node \(4 nodes\) +31\.\d s  planned", out, re.M)
+    assert re.search(r"^SLURM lead: sbatch --signal=B:USR1@ +360 s .*\nSLURM lead: SHUTDOWN_TIMEOUT +240 s ", out, re.M)
     plan = resolved["memory_plan"]
     assert plan["fits"] and plan["gpu"] == "A100-80GB" and plan["columns"] == ["per GPU"]
     assert not (tmp_path / "log" / "srun").exists()
@@ -225,6 +229,7 @@ exec {sys.executable} "$@"
 
 
 def test_a_preemption_that_saved_exits_0_in_one_line_and_anything_else_keeps_torchruns_status(fake):
+    """A rank's recorded error is repeated as the last line, torchrun's status kept."""
     tmp_path, env = fake
     python = write_exe(tmp_path / "bin" / "fake-python", FAKE_PREEMPTED_PYTHON)
     log_dir = tmp_path / "log-dir"
@@ -240,6 +245,10 @@ def test_a_preemption_that_saved_exits_0_in_one_line_and_anything_else_keeps_tor
                                               "exit 0 for the requeue")
     unsaved = json.dumps({"stopped": "signal", "signal": "SIGTERM", "iteration": 7, "saved": False})
     assert run("midtrain.sh", [], {**job, "FAKE_RECORD": unsaved}).returncode == 1  # nothing to resume from
+    failed = json.dumps({"stopped": "error", "error": "save of iteration 3 to /ckpt failed: [Errno 28] No space"})
+    result = run("midtrain.sh", [], {**job, "FAKE_RECORD": failed})  # repeated below torchrun's report
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == "failed (exit 1): save of iteration 3 to /ckpt failed: [Errno 28] No space"
     (log_dir / "exit.json").write_text(saved)  # a record of the previous launch is not this one's
     result = run("midtrain.sh", [], job)
     assert result.returncode == 1 and "preempted" not in result.stderr and not (log_dir / "exit.json").exists()
