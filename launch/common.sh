@@ -57,13 +57,36 @@ set_gpu_env() {
   export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
   # Bootstrap traffic off loopback and docker bridges; set NCCL_IB_HCA (e.g. mlx5) for your fabric.
   export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
+  # gloo (megatron-core's CPU-side groups, vLLM's) finds its interface through the hostname, which on many nodes
+  # resolves to 127.0.1.1 or a bridge: startup then hangs. It takes NCCL's interfaces when those are named, else
+  # the default route's; export GLOO_SOCKET_IFNAME to choose.
+  if [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+    local gloo_ifname
+    gloo_ifname="$(gloo_interface)"
+    if [[ -n "$gloo_ifname" ]]; then export GLOO_SOCKET_IFNAME="$gloo_ifname"; fi
+  fi
   export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
   local cores
   cores="$(nproc)"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cores / gpus_per_node > 0 ? cores / gpus_per_node : 1))}"
-  env_names=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_SOCKET_IFNAME NCCL_IB_TIMEOUT
-    NCCL_DEBUG OMP_NUM_THREADS)
+  env_names=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
+    NCCL_IB_TIMEOUT NCCL_DEBUG OMP_NUM_THREADS)
+}
+
+# The interfaces for gloo: NCCL_SOCKET_IFNAME when it lists interfaces of this node by their full names (gloo takes
+# neither NCCL's ^exclusions, =exact form nor name prefixes such as "ib"), else the interface of this node's default
+# route; empty when neither is known.
+gloo_interface() {
+  local names name
+  IFS=, read -ra names <<<"$NCCL_SOCKET_IFNAME"
+  for name in "${names[@]}"; do
+    [[ -n "$name" && -e "/sys/class/net/$name" ]] || {
+      ip -o route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}'
+      return
+    }
+  done
+  echo "$NCCL_SOCKET_IFNAME"
 }
 
 set_cpu_env() {
@@ -72,21 +95,12 @@ set_cpu_env() {
   env_names=(OMP_NUM_THREADS)
 }
 
-# Trainer flags from the environment, and where to start from: a run that already has a checkpoint in its
-# `save` directory resumes from it (a requeued job: a full resume, even for a stage configured to --finetune
-# from another checkpoint), otherwise PRETRAINED_HF (if given) initialises it.
+# Trainer flags from the environment. Where a run starts is the trainer's one rule (TrainConfig.resolve_start): a
+# `save` directory holding a checkpoint is resumed (a requeued job), whatever the config or PRETRAINED_HF say.
 add_env_flags() {
   if [[ -n "${DATA_PATH:-}" ]]; then train_args+=(--data-path "$DATA_PATH"); fi
   if [[ -n "${SAVE:-}" ]]; then train_args+=(--save "$SAVE"); fi
-  local save
-  save="$(flag_value --save)"
-  save="${save:-$(config_value save)}"
-  if [[ -n "$save" && -e "$save/latest" ]]; then
-    echo "resuming from $save (iteration $(<"$save/latest")); remove it to start over" >&2
-    train_args+=(--load "$save" --no-finetune)
-  elif [[ -n "${PRETRAINED_HF:-}" ]]; then
-    train_args+=(--pretrained-hf "$PRETRAINED_HF")
-  fi
+  if [[ -n "${PRETRAINED_HF:-}" ]]; then train_args+=(--pretrained-hf "$PRETRAINED_HF"); fi
 }
 
 # A command line to read and to paste: words are quoted only where the shell needs it.
@@ -125,6 +139,36 @@ print_dry_run() {
     "${train_args[@]}" --dry-run
 }
 
+# The trainer's log directory (--log-dir, else the config's, else the trainer's default) and, in it, the record of
+# a stop for requeue that rank 0 writes once its checkpoint is published (training/run_log.py).
+exit_record() {
+  local log_dir
+  log_dir="$(flag_value --log-dir)"
+  log_dir="${log_dir:-$(config_value log_dir)}"
+  log_dir="${log_dir:-$("$PYTHON" -c 'from megatron_mimesis.training.config import TrainConfig; print(TrainConfig.log_dir)')}"
+  echo "$log_dir/exit.json"
+}
+
+# The status a launch ends with: torchrun reports a preemption signal as a failure (exit 1 and a traceback) even
+# after the ranks saved and left cleanly; a run whose record says its checkpoint was saved has been handled (0, one
+# line). Anything else keeps torchrun's status, and a rank's recorded error is repeated as the last line, below
+# torchrun's report of the failure.
+launch_status() {
+  local status="$1" record="$2" said
+  ((status != 0)) || return 0
+  [[ -f "$record" ]] || return "$status"
+  said="$("$PYTHON" -c 'import json, sys
+record = json.load(open(sys.argv[1]))
+if record.get("saved"):
+    print("preempted (%s): stopped at iteration %d with its checkpoint saved; exit 0 for the requeue"
+          % (record.get("signal") or "a signal", record["iteration"]))
+elif record.get("error"):
+    print("failed (exit %s): %s" % (sys.argv[2], record["error"]))' "$record" "$status")" || return "$status"
+  [[ -n "$said" ]] || return "$status"
+  echo "$said" >&2
+  [[ "$said" == preempted* ]] || return "$status"
+}
+
 # srun in the background so that the batch shell can take SIGUSR1 from `sbatch --signal=B:USR1@T`,
 # forward it (srun relays it to every task: the torchrun agents, which pass it on to the trainer ranks),
 # wait for the save, and requeue the job.
@@ -142,7 +186,7 @@ run_srun() {
     echo "requeueing job $SLURM_JOB_ID" >&2
     scontrol requeue "$SLURM_JOB_ID"
   fi
-  return "$status"
+  launch_status "$status" "$record"
 }
 
 run_demo_data() {
@@ -253,6 +297,8 @@ launch() {
     print_dry_run
     return 0
   fi
+  record="$(exit_record)"
+  rm -f "$record"
   if ((in_slurm)); then
     check_config
     run_srun
@@ -260,6 +306,8 @@ launch() {
   fi
   if ((demo)); then run_demo_data; fi
   check_config
-  "${torchrun_cmd[@]}"
+  local status=0
+  "${torchrun_cmd[@]}" || status=$?
+  launch_status "$status" "$record" || return
   if ((demo)); then report_demo; fi
 }

@@ -13,7 +13,9 @@ itself uses for ``common.pt``.
 small enough that hashing it costs nothing next to writing it: metadata, configs, tokenizer, the shards of small
 models), written after every rank finished and before the directory is published, so it also marks a complete
 checkpoint. A kill or a full disk truncates; :func:`verify_files` names the first file that does not match, in
-one line, whatever region of the checkpoint (model or optimizer state) it holds.
+one line, whatever region of the checkpoint (model or optimizer state) it holds. A checkpoint listed in ``files.json``
+says so in its own ``run_config.json`` (``LISTED``), so one whose ``files.json`` is lost later is damaged, and only
+a checkpoint without that record (written before ``files.json`` existed) is taken as complete on its ``.metadata``.
 """
 
 import hashlib
@@ -28,6 +30,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 FILES = "files.json"
+LISTED = "files_listed"  # run_config.json's record that the checkpoint's files are listed in files.json
+RUN_CONFIG = "run_config.json"
 HASHED_UP_TO = 64 * 2**20  # bytes; larger shards are checked by size (what truncation changes)
 METADATA = ".metadata"
 
@@ -116,6 +120,13 @@ def install_restricted_reader() -> None:
     DefaultLoadPlanner.load_bytes = _load_bytes
 
 
+def _listed(directory: Path) -> bool:
+    try:
+        return bool(json.loads((directory / RUN_CONFIG).read_text()).get(LISTED))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -125,8 +136,13 @@ def _sha256(path: Path) -> str:
 
 
 def record_files(directory: str | Path) -> None:
-    """Write ``directory/files.json``: size (and sha256 where cheap) of every file the checkpoint holds."""
+    """Write ``directory/files.json``: size (and sha256 where cheap) of every file the checkpoint holds; first mark
+    its ``run_config.json`` (when it has one) as listed."""
     directory = Path(directory)
+    run_config = directory / RUN_CONFIG
+    if run_config.is_file():
+        run_config.write_text(json.dumps({**json.loads(run_config.read_text()), LISTED: True}, indent=2,
+                                         sort_keys=True))
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != FILES):
         entry = {"size": path.stat().st_size}
@@ -150,14 +166,38 @@ def check_checkpoint(directory: str | Path) -> None:
         load_metadata(stream, path)
 
 
+def verify_written(directory: str | Path) -> str | None:
+    """Why the shards of the just-written ``directory`` do not hold what its ``.metadata`` says they do (one line),
+    or None: every byte range the metadata points at lies inside its file. The check before a checkpoint is
+    listed and published, independent of the writers' own reports."""
+    directory = Path(directory)
+    path = directory / METADATA
+    if not path.is_file():
+        return f"{path}: missing"
+    with path.open("rb") as stream:
+        metadata = load_metadata(stream, path)
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = directory / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < end:
+            return f"{shard}: {'missing' if size is None else f'{size} bytes'}, the metadata needs {end}"
+    return None
+
+
 def verify_files(directory: str | Path) -> str | None:
     """Why ``directory`` is not a complete checkpoint (one line naming the file), or None when it is.
 
-    A checkpoint written before ``files.json`` existed is complete when its ``.metadata`` is there.
+    A checkpoint written before ``files.json`` existed (its ``run_config.json`` does not record a listing) is complete
+    when its ``.metadata`` is there.
     """
     directory = Path(directory)
     listing = directory / FILES
     if not listing.exists():
+        if _listed(directory):
+            return f"{listing}: missing, though {directory / RUN_CONFIG} records that the checkpoint was listed in it"
         return None if (directory / METADATA).exists() else f"{directory}: incomplete (no {FILES}, no {METADATA})"
     try:
         files = json.loads(listing.read_text())["files"]

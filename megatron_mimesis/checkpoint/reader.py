@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron_mimesis.checkpoint.integrity import (
     FILES,
     METADATA,
+    RUN_CONFIG,
     CheckpointError,
     UnsafeCheckpointError,
     check_checkpoint,
@@ -45,7 +46,6 @@ def fused_part_names(name: str) -> list[str] | None:
     return None
 
 
-RUN_CONFIG = "run_config.json"
 TOKENIZER_SUBDIR = "tokenizer"  # the trainer's copy of the tokenizer it trained with
 
 

@@ -19,22 +19,28 @@ then increments once per parameter per step, so the bias correction after a resu
 import json
 import shutil
 import sys
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mimesis.checkpoint.integrity import record_files
+from megatron_mimesis.checkpoint.integrity import record_files, verify_written
 from megatron_mimesis.checkpoint.reader import (
+    RUN_CONFIG,
     TOKENIZER_SUBDIR,
     CheckpointError,
     checkpoint_dir,
     checkpoint_iteration,
     newest_complete,
 )
-from megatron_mimesis.checkpoint.writer import dist_save, publish
+from megatron_mimesis.checkpoint.writer import publish, save_request
+from megatron_mimesis.failures import root_cause
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -128,36 +134,129 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, i
     return state
 
 
-def save_checkpoint(root: str | Path, iteration: int, model_chunks, optimizer, scheduler, progress: dict,
-                    run_config: dict, tokenizer_dir: str | Path | None = None) -> Path:
-    """Write ``root/iter_N`` atomically and point ``latest`` at it; collective over all ranks.
+class CheckpointSaveError(RuntimeError):
+    """A save that failed, raised on every rank alike with the failing rank's reason: the ranks leave the run
+    together (none is left waiting in a collective for a rank that is gone) and the reason is reported once."""
 
-    The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a
-    complete HF directory even after the data cache it came from has changed.
+
+class CheckpointSaver:
+    """The checkpoints a run writes under ``root``: ``root/iter_N`` atomically, then ``latest`` (collective over all
+    ranks, called at the same points of the loop on every rank).
+
+    Each save is megatron-core's save request (``writer.save_request``): run here (``asynchronous=False``), or by a
+    forked writer while training goes on, the step paying only the copy of its state to host memory; at most one is
+    in flight. Either way the checkpoint is published (listed in ``files.json``, renamed, ``latest`` moved) only
+    once every rank's write is complete and its shards hold what ``.metadata`` says: a crash before that leaves
+    ``latest`` on the previous checkpoint.
+
+    Before each save the parameter all-gather is completed. With ``overlap_param_gather`` megatron defers a step's
+    all-gather to the next forward, so right after ``optimizer.step()`` each data-parallel rank's buffer holds the new
+    values of its own shard only, and the replicated weights written (from data-parallel rank 0) would mix two steps.
+    Megatron-LM forces the sync before every save; so does :meth:`save`.
+
+    The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a complete
+    HF directory even after the data cache it came from has changed.
     """
-    root = Path(root)
-    final = checkpoint_dir(root, iteration)
-    tmp = final.with_name(final.name + ".tmp")
+
+    def __init__(self, root: str | Path, *, asynchronous: bool):
+        self.root = Path(root)
+        self._calls = AsyncCallsQueue() if asynchronous else None
+        self._writing: int | None = None  # the iteration whose write is in flight
+        self.last_saved: int | None = None  # the iteration this run last saved (or resumed from) in root
+
+    def save(self, iteration: int, model_chunks, optimizer, scheduler, progress: dict, run_config: dict,
+             tokenizer_dir: str | Path | None = None) -> None:
+        self.wait()
+        _complete_param_gather(model_chunks)
+        tmp = checkpoint_dir(self.root, iteration).with_name(checkpoint_dir(self.root, iteration).name + ".tmp")
+
+        def fresh_directory():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+        _on_rank_zero(fresh_directory, self._failed(iteration))
+        self.last_saved = iteration
+        state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
+        with self._failures_raised(iteration):
+            request = save_request(state, tmp, forked=self._calls is not None)
+            request.add_finalize_fn(partial(self._publish, tmp, iteration, run_config, tokenizer_dir))
+            if self._calls is None:
+                request.execute_sync()
+            else:
+                self._calls.schedule_async_request(request)
+                self._writing = iteration
+
+    def poll(self) -> None:
+        """Publish the checkpoint in flight if every rank's write has finished; returns at once otherwise."""
+        self._finalize(blocking=False)
+
+    def wait(self) -> None:
+        """Publish the checkpoint in flight, waiting for its write."""
+        self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        if self._writing is None:
+            return
+        with self._failures_raised(self._writing):
+            try:
+                self._calls.maybe_finalize_async_calls(blocking=blocking)
+            finally:
+                if blocking or not self._calls.get_num_unfinalized_calls():
+                    self._writing = None
+
+    def _publish(self, tmp: Path, iteration: int, run_config: dict, tokenizer_dir) -> None:
+        def publish_on_rank_zero():
+            (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True))
+            if tokenizer_dir is not None:
+                shutil.copytree(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
+            problem = verify_written(tmp)
+            if problem:
+                raise CheckpointError(problem)
+            record_files(tmp)
+            publish(tmp, self.root, iteration)
+
+        _on_rank_zero(publish_on_rank_zero, self._failed(iteration))
+
+    def _failed(self, iteration: int) -> str:
+        return f"save of iteration {iteration} to {self.root} failed"
+
+    @contextmanager
+    def _failures_raised(self, iteration: int):
+        """A failure of megatron's save or of its finalization, which it raises on every rank (the reason on the
+        first rank only), as a ``CheckpointSaveError`` naming the error behind it."""
+        try:
+            yield
+        except CheckpointSaveError:
+            raise
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointSaveError(f"{self._failed(iteration)}: {root_cause(exc)}") from exc
+
+
+def _on_rank_zero(step, failed: str) -> None:
+    """Run ``step`` on rank 0 and raise its failure on every rank: the others learn of it in the broadcast instead of
+    waiting in a barrier for a rank that has left."""
+    reason = None
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
-    dist_save(state, tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (tmp / "run_config.json").write_text(json.dumps(run_config, indent=2, sort_keys=True))
-        if tokenizer_dir is not None:
-            shutil.copytree(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
-        record_files(tmp)
-        publish(tmp, root, iteration)
-    dist.barrier()
-    return final
+        try:
+            step()
+        except Exception as exc:
+            reason = f"{failed}: {root_cause(exc)}"
+    shared = [reason]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] is not None:
+        raise CheckpointSaveError(shared[0])
+
+
+def _complete_param_gather(model_chunks) -> None:
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def _saved_run_config(path: Path, preset: dict) -> dict:
     """The checkpoint's run_config.json, refusing a checkpoint of another model with the differing fields named."""
-    config_path = path / "run_config.json"
+    config_path = path / RUN_CONFIG
     if not config_path.exists():
         raise CheckpointError(f"{config_path}: missing; not a checkpoint written by this project")
     saved = json.loads(config_path.read_text())

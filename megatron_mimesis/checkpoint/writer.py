@@ -14,19 +14,33 @@ shape, chunk and object is megatron's own, and torch DCP asks for each chunk's d
 closed, so the streamed save writes one file per chunk: peak memory is one chunk and its source, whatever the size
 of the model.
 
-No helper process. megatron-core's torch_dist writer hands its results over a queue that it creates, at the first
-save, as ``multiprocessing.get_context("spawn").Manager().Queue()``: a spawned interpreter per rank (about 1 GB:
-it re-imports the trainer) that nothing ties to the rank, so it outlives a ``kill -9`` of the job. That queue only
-matters for megatron's asynchronous saves, whose writer runs in another process. This project saves
-synchronously: megatron runs the writer (and its threads) in the calling process, so :func:`dist_save` gives each
-save an in-process ``queue.Queue`` through megatron's own slot for it; nothing is started, nothing can be left
-behind, and a save no longer needs ``/dev/shm`` or a writable temp directory for a Manager socket.
+*Synchronous and asynchronous saves* are one request (megatron-core's ``AsyncRequest``, from its torch_dist
+strategy): :func:`save_request` returns it, ``execute_sync()`` runs it in the calling process, megatron's
+``AsyncCallsQueue`` runs it in a forked writer (``trainer_state.CheckpointSaver`` chooses). megatron's two ways of
+running a request in the background are a persistent worker, which is *spawned* (a second interpreter per rank that
+re-imports the trainer, ~1 GB) and hands its results over a queue of a spawned ``Manager`` process, and a writer
+*forked* per save. The forked one is used: the tensors are already in host memory when it starts (megatron copies
+them before the fork), it needs no re-import, and :func:`save_request` ties it to the rank
+(:func:`megatron_mimesis.lifetime.die_with_parent`), so a ``kill -9`` of the rank takes the writer with it. Nor is
+megatron's ``Manager`` queue used by either: that spawned process outlived a ``kill -9`` of the job, so the results
+come back over an in-process queue (synchronous) or a pipe that a parent thread drains as the child writes it
+(forked; a pipe read only once the writer exited would block a writer whose results exceed the pipe's buffer).
+
+*The errors of a failed write.* megatron-core's writer turns a failed shard write into "An error is caught while
+starting worker 0, error: <class 'OSError'>": the errno is gone. :func:`_keep_write_failures` records each failed
+write's exception as it happens, and the results queue hands that exception over instead of megatron's, so a full
+disk reads "No space left on device" where the save is reported; megatron's two log lines of the same failure are
+hidden.
 """
 
+import logging
+import multiprocessing
 import os
 import queue
 import shutil
+import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +51,8 @@ from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistSaveShardedStrategy,
@@ -47,12 +63,87 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from tqdm import tqdm
 
 from megatron_mimesis.checkpoint.reader import LATEST, OLD_SUFFIX, checkpoint_dir
+from megatron_mimesis.lifetime import die_with_parent
+
+_write_failures: list[BaseException] = []  # this process's failed shard writes, until the results are handed over
+_WRITER_GRACE_S = 5.0  # how long a finished writer's results may still be in flight in the pipe
+
+
+def _keep_write_failures(write):
+    def write_keeping_failures(*args, **kwargs):
+        output = write(*args, **kwargs)
+        if output is not None and isinstance(output[1], BaseException):
+            _write_failures.append(output[1])
+        return output
+
+    write_keeping_failures.keeps_failures = True
+    return write_keeping_failures
+
+
+if not getattr(FileSystemWriterAsync.write_preloaded_data, "keeps_failures", False):
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(_keep_write_failures(FileSystemWriterAsync.write_preloaded_data))
+    logging.getLogger(filesystem_async.__name__).addFilter(
+        lambda record: not record.getMessage().startswith(("Local worker", "An error is caught while starting worker")))
+
+
+class _WriteResults:
+    """megatron's results queue for one save: ``put`` by the writer, ``get_nowait`` by the finalization."""
+
+    def __init__(self):
+        self._received = queue.Queue()
+
+    def put(self, item) -> None:
+        if isinstance(item, Exception) and _write_failures:
+            item = _write_failures[0]  # the failed write itself, not megatron's summary of it
+        _write_failures.clear()
+        self._deliver(item)
+
+    def _deliver(self, item) -> None:
+        self._received.put(item)
+
+    def get_nowait(self):
+        return self._received.get_nowait()
+
+
+class _ForkedWriteResults(_WriteResults):
+    """The results of a forked writer: it sends them down a pipe, which a thread of the rank drains at once."""
+
+    def __init__(self):
+        super().__init__()
+        self._pipe = multiprocessing.get_context("fork").SimpleQueue()
+        self._drain = threading.Thread(target=lambda: self._received.put(self._pipe.get()), daemon=True)
+
+    def start(self) -> None:
+        self._drain.start()
+
+    def _deliver(self, item) -> None:
+        self._pipe.put(item)
+
+    def get_nowait(self):
+        self._drain.join(timeout=_WRITER_GRACE_S)  # the writer has exited: what it sent is in the pipe
+        return super().get_nowait()
+
+
+def _tied_to(parent_pid: int, write, *args, **kwargs) -> None:
+    die_with_parent(parent_pid)
+    write(*args, **kwargs)
+
+
+def save_request(state: dict, directory: str | Path, *, forked: bool) -> AsyncRequest:
+    """megatron-core's save of ``state`` into ``directory`` as a request to run: ``execute_sync()`` here, or on an
+    ``AsyncCallsQueue``, in a writer forked from this rank (``forked``) that dies with it."""
+    results = _ForkedWriteResults() if forked else _WriteResults()
+    filesystem_async._results_queue = results
+    request = dist_checkpointing.save(state, str(directory), async_sharded_save=True, async_strategy="mcore")
+    if forked and request.async_fn is not None:  # None: nothing of the checkpoint is this rank's to write
+        results.start()
+        request = request._replace(async_fn=partial(_tied_to, os.getpid(), request.async_fn))
+    return request
 
 
 def dist_save(state: dict, directory: str | Path) -> None:
-    """``dist_checkpointing.save`` with megatron's results queue in this process (see the module docstring)."""
-    filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(state, str(directory))
+    """``dist_checkpointing.save`` of ``state``, in this process (see the module docstring)."""
+    save_request(state, directory, forked=False).execute_sync()
 
 
 class _ResolvingPlanner(MCoreSavePlanner):

@@ -194,24 +194,33 @@ class AgentRL(RLLoop):
         start = time.perf_counter()
         mine, offset = self.my_share(self.sampler.sample(c.tasks_per_step))
         self.engine.wake()
-        episodes = self.runner.run(self.suite, mine, c.rollouts_per_prompt, step_seed=step * self.dp_size + self.dp_rank)
-        self.engine.sleep()
+        try:
+            episodes = self.runner.run(self.suite, mine, c.rollouts_per_prompt,
+                                       step_seed=step * self.dp_size + self.dp_rank,
+                                       stop_requested=self.rollouts_must_stop)
+        finally:
+            self.engine.sleep()
+        self.stop_point("rollouts")
         for e in episodes:
             e.group_id += offset
             e.rollout_id += offset * c.rollouts_per_prompt
         score_failures = self._score(episodes)
         rollout_time = time.perf_counter() - start
+        record = {"rollout_time_s": rollout_time, **self.replica_spread(rollout_time),
+                  "score_failures": sum(score_failures.values()),
+                  **{f"score_failures/{reason}": n for reason, n in score_failures.items()}}
+        self.stop_point("scoring")
         rows = agent_rows(episodes, c.gamma, self.suite.name)
         on_policy = self.on_policy_rows([row for row, _, _ in rows])
         rows = [(row, episode, t) for row, (_, episode, t) in zip(on_policy, rows, strict=True)]
-        record = {"rollout_time_s": rollout_time, "score_failures": sum(score_failures.values()),
-                  **{f"score_failures/{reason}": n for reason, n in score_failures.items()}}
+        self.stop_point("old log-probs")
         teacher = None
         if self.coach is not None:
             start = time.perf_counter()
             teacher, csd_counts = self._teacher(rows, step)
             record.update(csd_counts)
             record["teacher_time_s"] = time.perf_counter() - start
+            self.stop_point("teacher")
         update, summaries = self.gather_and_update(
             [row for row, _, _ in rows], [_summary(e) for e in episodes],
             self.loss_config(csd_alpha=c.csd_alpha, csd_beta=c.csd_beta), teacher)

@@ -92,6 +92,12 @@ class RLConfig(TrainConfig):
 
     def validate_without_files(self, world_size: int) -> None:
         super().validate_without_files(world_size)
+        if self.generation_timeout_s is not None and self.generation_timeout_s >= self.distributed_timeout_minutes * 60:
+            raise ConfigError(
+                f"generation_timeout_s {self.generation_timeout_s:g} is not below distributed_timeout_minutes "
+                f"{self.distributed_timeout_minutes} x 60: data-parallel replicas wait in a collective for each other's "
+                f"rollouts, so a generate call running to its limit would fail the job as a collective timeout on "
+                f"the other ranks first; raise distributed_timeout_minutes")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
         if self.engine == "local" and self.model != "tiny":

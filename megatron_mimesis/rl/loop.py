@@ -17,6 +17,14 @@ import torch.distributed as dist
 from megatron_mimesis.training.config import ConfigError
 
 
+class StepAbandoned(Exception):
+    """A preemption signal reached a rank in the middle of a step: every rank drops the step at the same point."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
 def on_group_leader(fn, group):
     """Run ``fn`` on the group's first rank and give its result to every rank of the group."""
     if group is None or dist.get_world_size(group) == 1:
@@ -48,6 +56,7 @@ class RLLoop:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.reference = self.frozen_copy(config.kl_reference) if config.kl_coef else None
+        self.exit_signal = None  # set by run when the config handles preemption signals
 
     def frozen_copy(self, source: str) -> list:
         """Another model of the policy's architecture and layout with its own weights (an HF directory or a dist
@@ -78,6 +87,28 @@ class RLLoop:
         share = len(items) // self.dp_size
         return items[self.dp_rank * share:(self.dp_rank + 1) * share], self.dp_rank * share
 
+    def stop_point(self, phase: str) -> None:
+        """Between two phases of a step: drop the step, on every rank together, when a preemption signal reached any
+        rank; the run then saves the last complete step at once instead of finishing this one (an RL step outlasts
+        SLURM's pre-timeout warning). Collective over all ranks."""
+        if self.exit_signal is not None and self.exit_signal.any_rank_received():
+            raise StepAbandoned(phase)
+
+    def rollouts_must_stop(self) -> bool:
+        """After each generation batch: whether a preemption signal reached a rank of this model-parallel group,
+        whose ranks generate in lockstep, so that its rollouts end there (the next :meth:`stop_point` drops the
+        step). Collective over the model-parallel group."""
+        return self.exit_signal is not None and self.exit_signal.any_rank_received(self.mp_group)
+
+    def replica_spread(self, seconds: float) -> dict:
+        """The slowest data-parallel replica's rollout time and its lead over the fastest: what the replicas wait
+        for each other in the next collective, which ``distributed_timeout_minutes`` must exceed."""
+        times = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        every = [torch.empty_like(times) for _ in range(self.dp_size)]
+        dist.all_gather(every, times, group=self.dp_group)
+        every = torch.cat(every)
+        return {"rollout_time_max_s": every.max().item(), "rollout_time_spread_s": (every.max() - every.min()).item()}
+
     def on_policy_rows(self, rows: list) -> list:
         """The rows with the trainer's own old log-probs: as sampled when the engine is the training model,
         recomputed (the engine's kept beside them for the rollout correction) when another engine sampled them.
@@ -90,12 +121,13 @@ class RLLoop:
         return recompute_old_logprobs(self.trainer.model, rows, self.config.max_tokens_per_microbatch, self.device)
 
     def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None) -> tuple[dict, list]:
-        """Gather every data-parallel rank's rows and rollout summaries (``{"group_id", "reward", ...}``), drop
-        groups with fewer than ``min_valid_rollouts`` scored rollouts (counted), compute advantages over unique
-        rollouts, weigh the tokens for the engine they were sampled from (rollout correction, with the mismatch
-        metrics over all rows), take one optimizer step and refresh the engine. ``teacher``: per-row teacher
-        log-probs (CSD). ``rows`` come from :meth:`on_policy_rows`; with a KL term each rank first scores its own
-        rows under the reference. Returns the update's record and all ranks' summaries.
+        """Gather every data-parallel rank's rows (as tensors: ``update/rows.py``) and rollout summaries
+        (``{"group_id", "reward", ...}``), drop groups with fewer than ``min_valid_rollouts`` scored rollouts
+        (counted), compute advantages over unique rollouts, weigh the tokens for the engine they were sampled from
+        (rollout correction, with the mismatch metrics over all rows), take one optimizer step and refresh the
+        engine. ``teacher``: per-row teacher log-probs (CSD). ``rows`` come from :meth:`on_policy_rows`; with a KL
+        term each rank first scores its own rows under the reference. Returns the update's record and all ranks'
+        summaries.
 
         The advantages come from the rewards of every kept rollout before any weighting: a token or row the
         correction masks still counts in its group's statistics (FoldGRPO's mean and std over unique rollouts)."""
@@ -103,6 +135,7 @@ class RLLoop:
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.policy_step import policy_update
         from megatron_mimesis.rl.update.rollout_correction import rollout_weights
+        from megatron_mimesis.rl.update.rows import StepRows
         from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
@@ -110,46 +143,39 @@ class RLLoop:
         if self.reference is not None:
             ref = score_rows(self.reference, [(r.context_ids, r.response_ids) for r in rows],
                              c.max_tokens_per_microbatch, self.device)
+        step = StepRows.of_rows(rows, teacher, ref).gathered(self.dp_group, self.device)
         gathered = [None] * self.dp_size
-        dist.all_gather_object(gathered, (rows, summaries, teacher, ref), group=self.dp_group)
-        rows = [r for part, _, _, _ in gathered for r in part]
-        summaries = [s for _, part, _, _ in gathered for s in part]
-        teacher = [t for _, _, part, _ in gathered for t in part] if teacher is not None else None
-        ref = [t for _, _, _, part in gathered for t in part] if ref is not None else None
+        dist.all_gather_object(gathered, summaries, group=self.dp_group)
+        summaries = [s for part in gathered for s in part]
         valid_per_group = Counter(s["group_id"] for s in summaries if s["reward"] is not None)
-        keep = [i for i, r in enumerate(rows) if valid_per_group[r.group_id] >= c.min_valid_rollouts]
-        weights, correction = rollout_weights(rows, c.rollout_correction, c.rollout_correction_level,
+        keep = torch.tensor([valid_per_group[g] >= c.min_valid_rollouts for g in step.group_ids.tolist()],
+                            dtype=torch.bool, device=step.lengths.device)
+        weights, correction = rollout_weights(step, c.rollout_correction, c.rollout_correction_level,
                                               c.rollout_correction_cap)
-        if weights is not None and not any(w for i in keep for w in weights[i]):
-            keep = []  # the correction rejected every token: an optimizer step on nothing would still move Adam
-        record = {"rows": len(rows), "rows_trained": len(keep),
-                  "groups_without_gradient": len({r.group_id for r in rows} - {rows[i].group_id for i in keep}),
+        if weights is not None:
+            step = step.with_response("rollout_weights", weights)
+            if not weights[keep[step.response_row_index()]].any():
+                keep[:] = False  # the correction rejected every token: an optimizer step on nothing would still move Adam
+        record = {"rows": len(step), "rows_trained": int(keep.sum()),
+                  "groups_without_gradient": len(set(step.group_ids.tolist()) - set(step.group_ids[keep].tolist())),
                   **correction}
-        if not keep:
+        if not keep.any():
             record["update_applied"] = False
             return record, summaries
-        kept = [rows[i] for i in keep]
-        advantages = foldgrpo_advantages(
-            torch.tensor([r.reward for r in kept], dtype=torch.float32),
-            torch.tensor([r.group_id for r in kept]), torch.tensor([r.rollout_id for r in kept]), impl="torch",
-        ).tolist()
+        kept = step.select(keep)
+        advantages = foldgrpo_advantages(kept.rewards.float(), kept.group_ids, kept.rollout_ids, impl="torch")
         start = time.perf_counter()
-        record.update(policy_update(
-            self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept, advantages, loss_config,
-            c.max_tokens_per_microbatch, self.device,
-            teacher_logprobs=[teacher[i] for i in keep] if teacher is not None else None,
-            ref_logprobs=[ref[i] for i in keep] if ref is not None else None,
-            rollout_weights=[weights[i] for i in keep] if weights is not None else None,
-        ))
+        record.update(policy_update(self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept,
+                                    advantages, loss_config, c.max_tokens_per_microbatch, self.device))
         record["train_time_s"] = time.perf_counter() - start
         start = time.perf_counter()
         refresh_engine(self.engine, self.trainer)
         record["weight_sync_time_s"] = time.perf_counter() - start
-        record["advantage_abs_mean"] = sum(abs(a) for a in advantages) / len(advantages)
+        record["advantage_abs_mean"] = advantages.abs().double().mean().item()
         return record, summaries
 
     def run(self) -> int:
-        from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
+        from megatron_mimesis.checkpoint.trainer_state import current_layout
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.rollout_correction import correction_warning
         from megatron_mimesis.training.run_log import RunLog
@@ -167,15 +193,29 @@ class RLLoop:
         self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
                           progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,
                           headline=self.headline)
-        exit_signal = ExitSignal() if c.exit_signal_handler else None
+        self.exit_signal = exit_signal = ExitSignal() if c.exit_signal_handler else None
 
         def save():
             progress["sampler"] = self.sampler.state_dict()
-            save_checkpoint(c.save, progress["iteration"], self.trainer.model, self.trainer.optimizer,
-                            self.trainer.scheduler, dict(progress), run_config, tokenizer_dir=c.tokenizer)
+            self.trainer.save_checkpoint(progress, run_config)
 
+        stop = None
         while progress["iteration"] < c.train_iters:
-            record = self.step(progress["iteration"])
+            at_start = self.sampler.state_dict()
+            try:
+                record = self.step(progress["iteration"])
+            except StepAbandoned as abandoned:
+                self.sampler.load_state_dict(at_start)  # the requeued run samples this step's prompts again
+                it = progress["iteration"]
+                unsaved = self.trainer.checkpoints is not None and it > 0 and not self.trainer.has_saved(it)
+                self.log.message(f"exit signal received during iteration {it + 1} (after its {abandoned.phase}): "
+                                 f"stopping at iteration {it}, the last complete step{', saving it,' * bool(unsaved)} "
+                                 f"for requeue")
+                if unsaved:
+                    save()
+                stop = "signal"
+                break
+            self.trainer.poll_checkpoint()
             progress["iteration"] += 1
             it = progress["iteration"]
             self.log.step({"iteration": it, **record})
@@ -183,10 +223,15 @@ class RLLoop:
                                          c.rollout_correction_warn_frac)
             if warning:
                 self.log.message(f"step {it}: {warning}")
-            if save_and_maybe_stop(c, it, exit_signal, self.log, save):
+            stop = save_and_maybe_stop(c, it, exit_signal, self.log, save)
+            if stop:
                 break
         else:
             save_final(c, progress["iteration"], save)
+        self.trainer.wait_for_checkpoint()
+        if stop == "signal":  # the checkpoint is published: say so to the launcher
+            self.log.stopped_for_requeue(progress["iteration"], exit_signal.received,
+                                         self.trainer.has_saved(progress["iteration"]))
         self.log.close()
         return 0
 
@@ -207,18 +252,18 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     ``--dry-run`` with its memory plan, else run ``loop_cls(config)`` to completion."""
     import os
     import sys
-    from pathlib import Path
 
     from megatron_mimesis.compat import hide_cpu_notices
     from megatron_mimesis.lifetime import tie_rank_to_launcher
     from megatron_mimesis.training.config import parse_config
-    from megatron_mimesis.training.train import run_to_completion
+    from megatron_mimesis.training.train import run_to_completion, start_run
 
     hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
     tie_rank_to_launcher()
     config, args = parse_config(argv, config_cls, prog=prog, description=description)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        config, resuming = config.resolve_start()
         config.validate(world_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -227,9 +272,10 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
         from megatron_mimesis.rl.memory import plan_rl
         from megatron_mimesis.training.memory.plan import print_plan
 
-        resolved = {"config": config.to_dict(), "world_size": world_size,
+        resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "rollouts_per_step": config.rollouts_per_step}
         return print_plan(*plan_rl(config, world_size), resolved)
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-    return run_to_completion(lambda: loop_cls(config).run())
+    if not start_run(config, world_size, resuming):
+        return 2
+    return run_to_completion(lambda: loop_cls(config).run(), config.log_dir)

@@ -89,8 +89,11 @@ class SimulatorRL(RLLoop):
         c = self.config
         mine, offset = self.my_share(self.sampler.sample(c.prompts_per_step))
         self.engine.wake()
-        episodes = self.runner.run(mine, c.rollouts_per_prompt, step_seed=step * self.dp_size + self.dp_rank)
-        self.engine.sleep()
+        try:
+            episodes = self.runner.run(mine, c.rollouts_per_prompt, step_seed=step * self.dp_size + self.dp_rank,
+                                       stop_requested=self.rollouts_must_stop)
+        finally:
+            self.engine.sleep()
         for e in episodes:
             e.group_id += offset
             e.rollout_id += offset * c.rollouts_per_prompt
@@ -101,12 +104,17 @@ class SimulatorRL(RLLoop):
 
         start = time.perf_counter()
         episodes, prompts_by_id = self._rollouts(step)
+        self.stop_point("rollouts")
         reward_failures = self._score(episodes, prompts_by_id)
         rollout_time = time.perf_counter() - start
+        spread = self.replica_spread(rollout_time)
+        self.stop_point("scoring")
         rows = self.on_policy_rows(fold_rows(episodes)[0])
+        self.stop_point("old log-probs")
         record, summaries = self.gather_and_update(rows, [_summary(e, reward_failures) for e in episodes],
                                                    self.loss_config())
         record.update(_rollout_metrics(summaries))
+        record.update(spread)
         record["rollout_time_s"] = rollout_time
         # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)
         record["rollout_tokens_per_s"] = sum(s["response_tokens"] for s in summaries) / self.dp_size / rollout_time

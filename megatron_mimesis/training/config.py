@@ -10,6 +10,7 @@ negative ``lr`` or a zero ``log_interval`` never reaches megatron (where it woul
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import types
@@ -55,6 +56,8 @@ AT_LEAST_1 = Range(1)
 NON_NEGATIVE = Range(0)
 POSITIVE = Range(0, low_open=True)
 FRACTION = Range(0, 1, high_open=True)  # Adam betas: 1 would never forget
+
+MODEL_OVERRIDES = "model_overrides"
 
 # A resumed run continues the schedule its checkpoint was saved in. These options define that schedule: the LR
 # curve (megatron's scheduler state is restored from the checkpoint) and the data order (the blended dataset's
@@ -111,20 +114,30 @@ class TrainConfig:
     save: str | None = None
     save_interval: int | None = None
     ckpt_format: str = "torch_dist"
+    # write each checkpoint in a forked writer while training goes on (megatron-core's async save): a step pays only
+    # the copy of its state to host memory; off: the step waits for the write
+    async_save: bool = True
     # logging
     log_dir: str = "runs/demo"
     log_interval: int = 1
     wandb_project: str | None = None
     progress: bool = True
     overwrite_save: bool = field(default=False, metadata={"help": (
-        "let a fresh run (no --load) write into a save directory that already holds checkpoints: its checkpoints "
-        "replace those of the same iteration and `latest` moves to its own. Off by default, so that a forgotten "
-        "--load does not overwrite a run's progress")})
-    # faults
-    max_skipped_iters: int = 10  # non-finite loss: skip the step; the run stops at the max_skipped_iters-th skip
+        "start over in a save directory that already holds checkpoints, from the configured starting weights: the "
+        "run's checkpoints replace those of the same iteration and `latest` moves to its own. Off by default: a "
+        "save directory holding a checkpoint is resumed (a requeued or rerun job continues its own progress)")})
+    # faults: a step with a non-finite loss or gradient is skipped; the run stops (without saving: the last checkpoint
+    # stays the one to resume from) at the max_consecutive_skipped_iters-th skip in a row (a divergence), or at the
+    # max_skipped_iters-th of the run (isolated skips that keep coming)
+    max_consecutive_skipped_iters: int = 10
+    max_skipped_iters: int = 100
     seed: int = 1234
     exit_signal_handler: bool = True  # SIGTERM / SIGUSR1: save a checkpoint, then exit for requeue
     exit_interval: int | None = None  # save and exit after an iteration divisible by this (scheduled stops)
+    # how long a collective waits for a peer before it fails the job, for every process group: the world, megatron's
+    # and the colocated vLLM's (Megatron-LM's --distributed-timeout-minutes); a wait in it outlasts nothing slower
+    # than the slowest rank's work between two collectives
+    distributed_timeout_minutes: int = 10
     # size overrides of the preset (the demo sets vocab_size from its tokenizer)
     model_overrides: dict = field(default_factory=dict)
     # the memory plan that --dry-run prints and the launcher checks before any rank starts (training/memory/)
@@ -145,6 +158,14 @@ class TrainConfig:
         "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
         "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE,
+        "max_consecutive_skipped_iters": AT_LEAST_1, "distributed_timeout_minutes": AT_LEAST_1,
+        # the preset's sizes, as model_overrides may set them (checked on the resolved preset)
+        **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (
+            "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")},
+        f"{MODEL_OVERRIDES}.rotary_base": POSITIVE, f"{MODEL_OVERRIDES}.rotary_percent": Range(0, 1, low_open=True),
+        f"{MODEL_OVERRIDES}.rms_norm_eps": POSITIVE, f"{MODEL_OVERRIDES}.mtp_num_layers": NON_NEGATIVE,
     }
 
     # ------------------------------------------------------------------
@@ -183,16 +204,28 @@ class TrainConfig:
             raise ConfigError(f"data_path: {self.data_path} does not exist")
 
     def check_ranges(self) -> None:
-        """Each numeric option is a number of its field's type, inside its ``RANGES`` entry (None where allowed)."""
-        hints = typing.get_type_hints(type(self))
+        """Each numeric option, and each size of the preset ``model_overrides`` may change, is a finite number of its
+        field's type inside its ``RANGES`` entry (None where allowed)."""
+        unknown = sorted(set(self.model_overrides) - {f.name for f in dataclasses.fields(Qwen35Preset)} - {"name"})
+        if unknown:
+            raise ConfigError(f"{MODEL_OVERRIDES}: unknown preset field(s) {unknown}")
+        hints, preset_hints = typing.get_type_hints(type(self)), typing.get_type_hints(Qwen35Preset)
+        preset = get_preset(self.model).replace(**self.model_overrides) if self.model in PRESETS else None
         for name, allowed in self.RANGES.items():
-            value = getattr(self, name)
-            if value is None and type(None) in typing.get_args(hints[name]):
+            if name.startswith(f"{MODEL_OVERRIDES}."):
+                if preset is None:
+                    continue
+                hint, value = preset_hints[name.split(".", 1)[1]], getattr(preset, name.split(".", 1)[1])
+            else:
+                hint, value = hints[name], getattr(self, name)
+            if value is None and type(None) in typing.get_args(hint):
                 continue
-            kind = _flag_type(hints[name])
+            kind = _flag_type(hint)
             if isinstance(value, bool) or not isinstance(value, int if kind is int else int | float):
                 expected = "an integer" if kind is int else "a number"
                 raise ConfigError(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value:g}")
             if value not in allowed:
                 raise ConfigError(f"{name} must be {allowed}, got {value:g}")
 
@@ -203,12 +236,6 @@ class TrainConfig:
             raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
         if self.load:
             self._check_resume()
-        elif self.save and (Path(self.save) / "latest").exists() and not self.overwrite_save:
-            raise ConfigError(
-                f"save: {self.save} already holds checkpoints (latest: iteration "
-                f"{(Path(self.save) / 'latest').read_text().strip()}); resume with --load {self.save}, save elsewhere, "
-                f"or pass --overwrite-save to start over in it"
-            )
 
     def validate_without_files(self, world_size: int) -> None:
         """Every shared check that reads no file (model, layout, batch, schedule, options): what a memory plan of
@@ -267,6 +294,29 @@ class TrainConfig:
         if self.pretrained_hf and self.load:
             raise ConfigError("give either pretrained_hf (start from HF weights) or load (resume), not both")
 
+    def resolve_start(self) -> tuple["TrainConfig", str | None]:
+        """Where the run starts, by one rule for every stage: a save directory holding a checkpoint resumes from it,
+        whatever the config says about starting weights (``pretrained_hf``, ``load`` with ``finetune``), since the
+        run that wrote it is this run, requeued or rerun; ``overwrite_save`` starts over instead. Decided before any
+        process group starts (the launcher's check and every rank decide alike); returns the config to run and, on
+        such a resume, the one line that says so."""
+        from megatron_mimesis.checkpoint.reader import LATEST, CheckpointError, read_latest
+
+        if not self.save or self.overwrite_save or not (Path(self.save) / LATEST).exists():
+            return self, None
+        try:
+            iteration = read_latest(self.save)
+        except CheckpointError as exc:
+            raise ConfigError(f"save: {exc}") from None
+        configured = [f"pretrained_hf {self.pretrained_hf}"] if self.pretrained_hf else []
+        if self.load and (self.finetune or Path(self.load) != Path(self.save)):
+            configured.append(f"{'the weights of ' if self.finetune else ''}{self.load}")
+        line = f"resuming from {self.save} (iteration {iteration})"
+        if configured:
+            line += (f", not from {' and '.join(configured)} as configured: a save directory holding a checkpoint is "
+                     f"resumed (--overwrite-save starts over)")
+        return self.replace(load=self.save, finetune=False, pretrained_hf=None), line
+
     def _check_resume(self) -> None:
         """``load`` points at a checkpoint; a full resume must keep the schedule it was saved in (``RESUME_FIXED``)."""
         from megatron_mimesis.checkpoint.reader import RUN_CONFIG, CheckpointError, newest_complete
@@ -280,6 +330,12 @@ class TrainConfig:
         saved = json.loads((path / RUN_CONFIG).read_text()).get("train", {})
         changed = [f"{name} {saved[name]!r} -> {getattr(self, name)!r}" for name in RESUME_FIXED
                    if name in saved and saved[name] != getattr(self, name)]
+        if changed and self.save and Path(self.load) == Path(self.save):
+            raise ConfigError(
+                f"save: {path} was saved by a run with other schedule options ({'; '.join(changed)}): a run resumes "
+                f"its save directory with the checkpoint's LR schedule and data order, so resume with its values, "
+                f"save elsewhere, or pass --overwrite-save to start over in it"
+            )
         if changed:
             raise ConfigError(
                 f"load: {path} was saved by a run with other schedule options ({'; '.join(changed)}): a resume "
@@ -287,30 +343,26 @@ class TrainConfig:
                 f"schedule from its weights with --finetune"
             )
 
-    def checkpoint_bytes(self) -> int:
-        """About what one checkpoint of this run takes on disk: the weights, plus the optimizer's fp32 state
-        (Adam's two moments, and fp32 main params when the weights are bf16)."""
-        from megatron_mimesis.training.flops import parameter_count
-
-        per_param = 2 + 4 + 8 if self.bf16 else 4 + 8
-        return parameter_count(self.preset) * per_param
-
-    def check_save_dir(self) -> None:
+    def check_save_dir(self, world_size: int) -> None:
         """At the start of a run, not at its first save: ``save`` must be a writable directory (or creatable in
         one) with room for a checkpoint, so the hours before the first save are not lost to a typo or a full disk.
-        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoint."""
+        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoint.
+        Called before the process group starts (the size comes from the memory plan's one-rank world)."""
         if not self.save:
             return
+        from megatron_mimesis.training.memory.checkpoint import readable_bytes
+        from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
+
         path = Path(self.save).absolute()
         existing = next(p for p in (path, *path.parents) if p.exists())
         if not existing.is_dir():
             raise ConfigError(f"save: {existing} is not a directory")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"save: {existing} is not writable")
-        free, needed = shutil.disk_usage(existing).free, self.checkpoint_bytes()
+        free, needed = shutil.disk_usage(existing).free, planned_checkpoint_bytes(self, world_size)
         if free < needed:
-            raise ConfigError(f"save: no space left for a checkpoint in {existing}: {free / 2**30:.1f} GiB free, "
-                              f"a checkpoint of this model takes about {needed / 2**30:.1f} GiB")
+            raise ConfigError(f"save: no space left for a checkpoint in {existing}: {readable_bytes(free)} free, "
+                              f"a checkpoint of this run takes about {readable_bytes(needed)}")
 
     # ------------------------------------------------------------------
     @classmethod

@@ -9,9 +9,19 @@ from ``metrics.jsonl`` and purged from TensorBoard, so every step appears once, 
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 from tqdm import tqdm
+
+EXIT_RECORD = "exit.json"  # the launcher reads it (launch/common.sh); a launch removes the previous one
+
+
+def write_exit_record(log_dir: str | Path, record: dict) -> None:
+    """How the run ended, for the launcher (``launch/common.sh``: ``launch_status``), written atomically."""
+    tmp = Path(log_dir) / (EXIT_RECORD + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(log_dir) / EXIT_RECORD)
 
 
 class RunLog:
@@ -55,6 +65,15 @@ class RunLog:
         if self._bar is not None and record.get("split") != "valid":
             self._bar.update(iteration - self._bar.n)
             self._bar.set_postfix({k: _short(record.get(k)) for k in self.headline})
+
+    def stopped_for_requeue(self, iteration: int, signum: int | None, saved: bool) -> None:
+        """Record in ``exit.json`` that the run stopped at ``iteration`` on a preemption signal, with its checkpoint
+        ``saved``: torchrun reports any signal as a failure, and the launcher reads this to exit 0 for a handled
+        preemption (``launch/common.sh``)."""
+        if not self.enabled:
+            return
+        name = signal.Signals(signum).name if signum else None
+        write_exit_record(self.dir, {"stopped": "signal", "signal": name, "iteration": iteration, "saved": saved})
 
     def message(self, text: str) -> None:
         if self.enabled:

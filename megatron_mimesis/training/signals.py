@@ -1,5 +1,6 @@
 """Preemption: SLURM sends SIGUSR1 (``--signal``) or SIGTERM before killing a job. The handler only sets a
-flag; the loop saves a checkpoint at the end of the current step and exits so the job can be requeued."""
+flag; the loop saves a checkpoint at the end of the current step (in RL, also between the phases of a step: the last
+complete one) and exits so the job can be requeued."""
 
 import signal
 
@@ -18,10 +19,12 @@ class ExitSignal:
     def _handle(self, signum, frame):
         self.received = signum
 
-    def any_rank_received(self) -> bool:
-        """True on every rank once any rank got a signal (ranks must leave the loop at the same step)."""
+    def any_rank_received(self, group=None) -> bool:
+        """True on every rank of ``group`` (the world by default) once any of them got a signal: ranks must leave
+        the loop at the same point. Collective over the group."""
         from megatron_mimesis.compat import compute_device
 
         flag = torch.tensor([1.0 if self.received is not None else 0.0], device=compute_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if group is None or dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())

@@ -10,11 +10,14 @@ megatron-core's: model chunks per (virtual) pipeline stage, DDP with fp32 main g
 optimizer, the 1F1B / interleaved schedules, the param scheduler, dist checkpointing.
 """
 
+import contextlib
+import datetime
 import json
 import math
 import os
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -121,10 +124,10 @@ class Trainer:
 
         self.config = config
         self.tokenizer_dir = tokenizer_dir
-        config.check_save_dir()  # before any work that a save directory without room would lose
         cpu = enable_cpu_compat()
         if not dist.is_initialized():
-            dist.init_process_group("gloo" if cpu else "nccl")
+            dist.init_process_group("gloo" if cpu else "nccl",
+                                    timeout=datetime.timedelta(minutes=config.distributed_timeout_minutes))
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.device = compute_device()
@@ -134,11 +137,17 @@ class Trainer:
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             context_parallel_size=config.context_parallel_size,
+            distributed_timeout_minutes=config.distributed_timeout_minutes,
         )
         torch.manual_seed(config.seed)
         model_parallel_cuda_manual_seed(config.seed)
         self.is_logger = dist.get_rank() == 0
         self._build_model_and_optimizer()
+        self.checkpoints = None
+        if config.save:
+            from megatron_mimesis.checkpoint.trainer_state import CheckpointSaver
+
+            self.checkpoints = CheckpointSaver(config.save, asynchronous=config.async_save)
 
     # ------------------------------------------------------------------ setup
     def _build_model_and_optimizer(self):
@@ -281,13 +290,16 @@ class Trainer:
             self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
             return fresh
         if c.load:
-            return load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+            if self.checkpoints is not None and Path(c.load) == Path(c.save):
+                self.checkpoints.last_saved = progress["iteration"]  # already saved, in the save directory
+            return progress
         return fresh
 
     def run(self, tokenizer_sha256: str) -> int:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
-        from megatron_mimesis.checkpoint.trainer_state import current_layout, save_checkpoint
+        from megatron_mimesis.checkpoint.trainer_state import current_layout
         from megatron_mimesis.training.flops import peak_for_mfu, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
@@ -305,6 +317,8 @@ class Trainer:
         data_iterator = self.train_iterators
         status = 0
         result = {"skipped": False}
+        guard = SkipGuard(c.max_consecutive_skipped_iters, c.max_skipped_iters, progress["skipped_iters"])
+        stop = None
 
         def save():
             """A checkpoint of the weights after this step, unless the step was skipped: while the loss is
@@ -312,19 +326,20 @@ class Trainer:
             if result["skipped"]:
                 log.message(f"iteration {progress['iteration']}: no checkpoint while steps are being skipped")
                 return
-            self._save(save_checkpoint, run_config, progress)
+            self.save_checkpoint(progress, run_config)
 
         while progress["iteration"] < c.train_iters:
             start = time.perf_counter()
             result = self.train_step(data_iterator)
             elapsed = time.perf_counter() - start
+            self.poll_checkpoint()
             progress["iteration"] += 1
             progress["consumed_samples"] += c.global_batch_size
             it = progress["iteration"]
+            diverged = guard.record(result["skipped"])
+            progress["skipped_iters"] = guard.in_run
             if result["skipped"]:
-                progress["skipped_iters"] += 1
-                log.message(f"iteration {it}: non-finite loss or grad, step skipped "
-                            f"({progress['skipped_iters']}/{c.max_skipped_iters})")
+                log.message(f"iteration {it}: non-finite loss or grad, step skipped ({guard})")
             if it % c.log_interval == 0:
                 tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
                 achieved = tokens_per_sec * flops_per_token / self.world_size
@@ -336,41 +351,81 @@ class Trainer:
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })
-            if result["skipped"] and progress["skipped_iters"] >= c.max_skipped_iters:
-                log.message(f"{progress['skipped_iters']} skipped iterations (max_skipped_iters); stopping without "
-                            f"saving (the last checkpoint is intact)")
+            if diverged:
+                log.message(f"{diverged}; stopping without saving (the last checkpoint is intact)")
                 status = 1
                 break
             if c.eval_interval and it % c.eval_interval == 0 and self.valid is not None:
                 log.step({"iteration": it, "split": "valid", "loss": self.evaluate()})
-            if save_and_maybe_stop(c, it, exit_signal, log, save):
+            stop = save_and_maybe_stop(c, it, exit_signal, log, save)
+            if stop:
                 break
         else:
             save_final(c, progress["iteration"], save)
+        self.wait_for_checkpoint()
+        if stop == "signal":  # the checkpoint is published: say so to the launcher
+            log.stopped_for_requeue(progress["iteration"], exit_signal.received, self.has_saved(progress["iteration"]))
         log.close()
         return status
 
-    def _save(self, save_checkpoint, run_config, progress):
-        save_checkpoint(self.config.save, progress["iteration"], self.model, self.optimizer, self.scheduler,
-                        dict(progress), run_config, tokenizer_dir=self.tokenizer_dir)
+    def save_checkpoint(self, progress: dict, run_config: dict) -> None:
+        """Checkpoint the state after ``progress["iteration"]`` (written in the background with ``async_save``)."""
+        self.checkpoints.save(progress["iteration"], self.model, self.optimizer, self.scheduler, dict(progress),
+                              run_config, tokenizer_dir=self.tokenizer_dir)
+
+    def has_saved(self, iteration: int) -> bool:
+        """Whether the save directory holds ``iteration``'s checkpoint, written (or resumed from) by this run."""
+        return self.checkpoints is not None and self.checkpoints.last_saved == iteration
+
+    def poll_checkpoint(self) -> None:
+        """Publish a background save whose write has finished (once per step, on every rank)."""
+        if self.checkpoints is not None:
+            self.checkpoints.poll()
+
+    def wait_for_checkpoint(self) -> None:
+        """Publish the background save in flight, waiting for it: before the run ends."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
 
-def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> bool:
+class SkipGuard:
+    """The NaN guard's two caps: ``in_a_row`` skipped steps mean a divergence; ``in_run`` (carried across resumes)
+    bounds isolated skips, so that a long run is not stopped by a handful of them spread over days."""
+
+    def __init__(self, max_in_a_row: int, max_in_run: int, in_run: int = 0):
+        self.max_in_a_row, self.max_in_run = max_in_a_row, max_in_run
+        self.in_a_row, self.in_run = 0, in_run
+
+    def record(self, skipped: bool) -> str | None:
+        """Count one step; the reason to stop, when a cap is reached."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        self.in_run += skipped
+        if self.in_a_row >= self.max_in_a_row:
+            return f"{self.in_a_row} skipped iterations in a row (max_consecutive_skipped_iters)"
+        if skipped and self.in_run >= self.max_in_run:
+            return f"{self.in_run} skipped iterations in the run (max_skipped_iters)"
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.in_a_row}/{self.max_in_a_row} in a row, {self.in_run}/{self.max_in_run} in the run"
+
+
+def save_and_maybe_stop(config, iteration: int, exit_signal, log, save) -> str | None:
     """End of a step in any stage's loop: the periodic checkpoint, then a stop (saved first) on a preemption
-    signal or at ``exit_interval``. Returns whether the loop must stop."""
+    signal or at ``exit_interval``. Returns why the loop must stop ("signal", "exit_interval"), or None."""
     saved = bool(config.save and config.save_interval and iteration % config.save_interval == 0)
     if saved:
         save()
     stop = None
     if exit_signal is not None and exit_signal.any_rank_received():
-        stop = f"exit signal received at iteration {iteration}: saving and exiting for requeue"
+        stop, line = "signal", f"exit signal received at iteration {iteration}: saving and exiting for requeue"
     elif config.exit_interval and iteration % config.exit_interval == 0 and iteration < config.train_iters:
-        stop = f"exit_interval reached at iteration {iteration}: saving and exiting"
+        stop, line = "exit_interval", f"exit_interval reached at iteration {iteration}: saving and exiting"
     if stop:
-        log.message(stop)
+        log.message(line)
         if config.save and not saved:
             save()
-    return stop is not None
+    return stop
 
 
 def save_final(config, iteration: int, save) -> None:
@@ -389,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     config, args = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        config, resuming = config.resolve_start()
         config.validate(world_size)
         manifest = check_data(config)
     except ConfigError as exc:
@@ -397,29 +453,80 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from megatron_mimesis.training.memory.plan import plan_training, print_plan
 
-        resolved = {"config": config.to_dict(), "world_size": world_size,
+        resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         return print_plan(*plan_training(config, world_size), resolved)
-    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    if not start_run(config, world_size, resuming):
+        return 2
     tokenizer = manifest["tokenizer"]
-    return run_to_completion(lambda: Trainer(config, tokenizer["path"]).run(tokenizer["sha256"]))
+    return run_to_completion(lambda: Trainer(config, tokenizer["path"]).run(tokenizer["sha256"]), config.log_dir)
 
 
-def run_to_completion(run) -> int:
-    """Run a loop on every rank and close the process groups; a configuration or checkpoint problem that only
-    shows once the run is set up (a checkpoint of another model, say) exits 2 with its one-line reason."""
-    from megatron_mimesis.checkpoint.reader import CheckpointError
+def announce(line: str | None) -> None:
+    """A line about the run as a whole (where it starts), once: on rank 0."""
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
 
+
+def start_run(config, world_size: int, resuming: str | None) -> bool:
+    """A rank's last checks before any work, which a save directory without room would lose: the save directory,
+    then the line saying where the run starts and its log directory. False, after the one-line error, when the save
+    directory cannot take the run's checkpoints."""
+    try:
+        config.check_save_dir(world_size)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    announce(resuming)
+    Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+    return True
+
+
+def run_to_completion(run, log_dir: str | Path) -> int:
+    """Run a loop on every rank and close the process groups.
+
+    An error ends the rank at once, its helper processes with it (:func:`megatron_mimesis.failures.exit_now`), and
+    is reported in one line. A configuration or checkpoint problem that only shows once the run is set up (a
+    checkpoint of another model, say) exits 2 with its reason; a failed save exits 1 with the failing rank's reason.
+    Every rank meets those two alike, so rank 0 reports them. Anything else exits 1, each rank naming its own error
+    and its root cause, the traceback kept in ``log_dir/error-rank{R}.txt``.
+    """
     try:
         status = run()
-    except (ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:
+        _report_and_exit(exc, Path(log_dir))
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def _report_and_exit(exc: BaseException, log_dir: Path):
+    from megatron_mimesis.checkpoint.reader import CheckpointError
+    from megatron_mimesis.checkpoint.trainer_state import CheckpointSaveError
+    from megatron_mimesis.failures import exit_now, one_line
+    from megatron_mimesis.training.run_log import write_exit_record
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    expected = isinstance(exc, ConfigError | CheckpointError)
+    alike = expected or isinstance(exc, CheckpointSaveError)
+    line = str(exc) if alike else one_line(exc)
+    if not expected:
+        path = log_dir / f"error-rank{rank}.txt"
+        text = "".join(traceback.format_exception(exc))
+        try:
+            path.write_text(text)
+            line += f" (traceback: {path})"
+        except OSError:
+            print(text, file=sys.stderr, end="")
+    if rank == 0 or not alike:
+        line = f"{f'rank {rank}: ' if world_size > 1 and not alike else ''}{line}"
+        print(f"error: {line}", file=sys.stderr)
+        if rank == 0:  # the launcher repeats it after torchrun's own report of the failure
+            with contextlib.suppress(OSError):
+                write_exit_record(log_dir, {"stopped": "error", "error": line})
+    exit_now(2 if expected else 1)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,30 @@ def test_truncation_and_changed_content_are_named_in_one_line(tmp_path):
         resolve_checkpoint_dir(ckpt)
 
 
+def test_a_listed_checkpoint_that_lost_its_files_json_is_damaged_not_legacy(tmp_path):
+    """Deleting files.json used to turn every check off (the checkpoint then read as one from before files.json): a
+    shard truncated after that went unnoticed until torch's EOFError. Its run_config.json says it was listed."""
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "iter_0000001" / "run_config.json").write_text(json.dumps({"preset": {}}))
+    older = _mini(tmp_path / "iter_0000001", "one")
+    assert json.loads((older / "run_config.json").read_text())["files_listed"] is True
+    assert verify_files(older) is None
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / "run_config.json").write_text(json.dumps({"preset": {}}))
+    damaged = _mini(tmp_path / "iter_0000002", "two")
+    (tmp_path / "latest").write_text("2\n")
+    (damaged / "files.json").unlink()
+    _truncate(damaged / "__0_0.distcp", 10)
+    reason = (f"{damaged / 'files.json'}: missing, though {damaged / 'run_config.json'} records that the checkpoint "
+              f"was listed in it")
+    assert verify_files(damaged) == reason
+    with pytest.raises(CheckpointError, match="missing, though"):
+        resolve_checkpoint_dir(tmp_path)  # the tools name it instead of reading a truncated shard
+    assert newest_complete(tmp_path) == (older, [reason])  # --load falls back
+    (damaged / "run_config.json").unlink()  # no record of a listing: a checkpoint from before files.json
+    assert verify_files(damaged) is None
+
+
 def test_load_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     _mini(tmp_path / "iter_0000002", "two")
     damaged = _mini(tmp_path / "iter_0000004", "four")

@@ -1,88 +1,20 @@
 """launch/*.sh against a fake SLURM (scontrol, srun on PATH) and a machine without GPUs; nothing is trained."""
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from tests.checkpoints import small_checkpoint
+from tests.launch.slurm import FAKE_SRUN_WAITING, JOB_ID, MASTER_PORT, REPO, run, slurm_env, trainer_json, write_exe
 
-REPO = Path(__file__).resolve().parents[2]
-JOB_ID = 4242
-MASTER_PORT = 20000 + JOB_ID % 40000
-
-FAKE_SCONTROL = """#!/bin/bash
-if [[ "$1 $2" == "show hostnames" ]]; then printf 'node001\\nnode002\\nnode003\\nnode004\\n'; exit 0; fi
-echo "$*" >> "$FAKE_LOG/scontrol"
-"""
-# Records its arguments, then runs the per-node command as node 3 would (SLURM_NODEID=3).
-FAKE_SRUN = """#!/bin/bash
-printf '%s\\n' "$@" > "$FAKE_LOG/srun"
-SLURM_NODEID=3 bash -c "${@: -1}"
-"""
-# Waits for SIGUSR1 the way a running job step would, and records that it got it.
-FAKE_SRUN_WAITING = """#!/bin/bash
-trap 'echo USR1 >> "$FAKE_LOG/srun_signals"; exit 0' USR1
-touch "$FAKE_LOG/srun_started"
-while true; do sleep 0.05; done
-"""
 # Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
 FAKE_PYTHON = f"""#!/bin/bash
 if [[ "$1 $2" == "-m torch.distributed.run" ]]; then echo "TORCHRUN $*"; exit 0; fi
 exec {sys.executable} "$@"
 """
-
-
-def write_exe(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
-
-
-@pytest.fixture
-def fake(tmp_path):
-    """PATH with fake scontrol/srun and an nvidia-smi that finds no GPU; datasets the trainer accepts."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    write_exe(bin_dir / "scontrol", FAKE_SCONTROL)
-    write_exe(bin_dir / "srun", FAKE_SRUN)
-    write_exe(bin_dir / "nvidia-smi", "#!/bin/sh\nexit 9\n")
-    log = tmp_path / "log"
-    log.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONFIG", "DATA_PATH", "NPROC"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), PYTHON=sys.executable)
-    for name, seq, vocab in (("data9b", 24576, 248320), ("demo", 256, 8192)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "manifest.json").write_text(json.dumps({"seq_length": seq, "tokenizer": {"vocab_size": vocab}}))
-    return tmp_path, env
-
-
-def slurm_env(env, tmp_path):
-    return {
-        **env,
-        "SLURM_JOB_ID": str(JOB_ID),
-        "SLURM_JOB_NODELIST": "node[001-004]",
-        "SLURM_NNODES": "4",
-        "SLURM_NODEID": "0",
-        "SLURM_GPUS_ON_NODE": "8",
-        "SLURM_CPUS_ON_NODE": "64",
-        "DATA_PATH": str(tmp_path / "data9b"),
-    }
-
-
-def run(script, args, env, **kwargs):
-    return subprocess.run(["bash", f"launch/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, **kwargs)
-
-
-def trainer_json(stdout: str) -> dict:
-    return json.loads(stdout[stdout.index("{\n"):])
 
 
 def test_slurm_dry_run_has_paper_layout(fake):
@@ -101,6 +33,10 @@ def test_slurm_dry_run_has_paper_layout(fake):
     config = resolved["config"]
     assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
     assert "memory plan per GPU: 9b, TP=4 (SP) PP=1 DP=8 on 32 GPUs;" in out
+    # after the GPU total, in the same table: the checkpoint, its write time and the sbatch lead times from them
+    assert re.search(r"^total \(GiB\) .*\ncheckpoint \(weights, fp32 main copy, Adam m, v\) +116\.\d\d  exact", out, re.M)
+    assert re.search(r"^checkpoint write at 1 GB/s per node \(4 nodes\) +31\.\d s  planned", out, re.M)
+    assert re.search(r"^SLURM lead: sbatch --signal=B:USR1@ +360 s .*\nSLURM lead: SHUTDOWN_TIMEOUT +240 s ", out, re.M)
     plan = resolved["memory_plan"]
     assert plan["fits"] and plan["gpu"] == "A100-80GB" and plan["columns"] == ["per GPU"]
     assert not (tmp_path / "log" / "srun").exists()
@@ -279,3 +215,63 @@ def test_the_demo_plots_and_summarises_the_log_dir_it_was_given(fake):
     summary = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(f"summary:     loss {first:.3f} over the first 10 steps, {last:.3f} over the last 10 "
                         r"\(25 steps\), valid 7.250 at step 25; wall \d+ min \d+ s", summary), summary
+
+
+# torchrun after a preemption: the rank may have written its record of the stop (FAKE_RECORD), then torchrun fails
+FAKE_PREEMPTED_PYTHON = f"""#!/bin/bash
+if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+  if [[ -n "$FAKE_RECORD" ]]; then printf '%s' "$FAKE_RECORD" > "$LOG_DIR/exit.json"; fi
+  echo "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 15" >&2
+  exit 1
+fi
+exec {sys.executable} "$@"
+"""
+
+
+def test_a_preemption_that_saved_exits_0_in_one_line_and_anything_else_keeps_torchruns_status(fake):
+    """A rank's recorded error is repeated as the last line, torchrun's status kept."""
+    tmp_path, env = fake
+    python = write_exe(tmp_path / "bin" / "fake-python", FAKE_PREEMPTED_PYTHON)
+    log_dir = tmp_path / "log-dir"
+    log_dir.mkdir()
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": "tiny", "model_overrides": {"vocab_size": 8192}, "seq_length": 256,
+                                  "data_path": str(tmp_path / "demo"), "log_dir": str(log_dir)}))
+    job = {**env, "PYTHON": str(python), "CONFIG": str(config), "LOG_DIR": str(log_dir)}
+    saved = json.dumps({"stopped": "signal", "signal": "SIGTERM", "iteration": 7, "saved": True})
+    result = run("midtrain.sh", [], {**job, "FAKE_RECORD": saved})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == ("preempted (SIGTERM): stopped at iteration 7 with its checkpoint saved; "
+                                              "exit 0 for the requeue")
+    unsaved = json.dumps({"stopped": "signal", "signal": "SIGTERM", "iteration": 7, "saved": False})
+    assert run("midtrain.sh", [], {**job, "FAKE_RECORD": unsaved}).returncode == 1  # nothing to resume from
+    failed = json.dumps({"stopped": "error", "error": "save of iteration 3 to /ckpt failed: [Errno 28] No space"})
+    result = run("midtrain.sh", [], {**job, "FAKE_RECORD": failed})  # repeated below torchrun's report
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == "failed (exit 1): save of iteration 3 to /ckpt failed: [Errno 28] No space"
+    (log_dir / "exit.json").write_text(saved)  # a record of the previous launch is not this one's
+    result = run("midtrain.sh", [], job)
+    assert result.returncode == 1 and "preempted" not in result.stderr and not (log_dir / "exit.json").exists()
+
+
+def test_gloo_takes_nccls_interfaces_or_the_default_routes_unless_set(fake):
+    """The dry run shows the default route's interface (NCCL's default ``^lo,docker`` is an exclusion, which gloo
+    cannot take); the launcher's own set_gpu_env gives named NCCL interfaces to gloo and keeps an exported one."""
+    tmp_path, env = fake
+    env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    write_exe(tmp_path / "bin" / "ip", "#!/bin/sh\necho 'default via 10.1.2.3 dev eth7 proto static'\n")
+    result = run("midtrain.sh", ["--dry-run"], slurm_env(env, tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("GLOO_SOCKET_IFNAME=")] == [
+        "GLOO_SOCKET_IFNAME=eth7"]
+
+    def gloo_ifname(**extra):
+        shell = 'source launch/common.sh && gpus_per_node=8 && set_gpu_env && echo "$GLOO_SOCKET_IFNAME"'
+        return subprocess.run(["bash", "-c", shell], cwd=REPO, env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert gloo_ifname() == "eth7"
+    assert gloo_ifname(NCCL_SOCKET_IFNAME="lo") == "lo"  # interfaces of this node by name: gloo takes them too
+    for nccl_only in ("=lo", "ib", "lo,ib"):  # NCCL's exact form, a prefix: not for gloo
+        assert gloo_ifname(NCCL_SOCKET_IFNAME=nccl_only) == "eth7", nccl_only
+    assert gloo_ifname(GLOO_SOCKET_IFNAME="bond0") == "bond0"

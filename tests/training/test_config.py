@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
-from megatron_mimesis.training.train import check_data, main
+from megatron_mimesis.training.train import SkipGuard, check_data, main
 from tests.training.memory.planning import trainer_dry_run
 
 
@@ -86,3 +86,13 @@ def test_main_exits_2_with_reason_and_dry_run_prints_resolved_config(tmp_path, c
     assert table.startswith("memory plan per GPU: tiny, TP=1 PP=2 DP=1 on 2 GPUs; 1 x 256 tokens per micro-batch")
     assert resolved["num_microbatches"] == 8 and resolved["config"]["pipeline_model_parallel_size"] == 2
     assert resolved["memory_plan"]["columns"] == ["stage 0", "stage 1"] and resolved["memory_plan"]["fits"]
+
+
+def test_the_nan_guard_stops_on_skips_in_a_row_or_on_too_many_in_the_run():
+    isolated = SkipGuard(max_in_a_row=3, max_in_run=4)
+    assert [isolated.record(s) for s in (True, False, True, False, True, False)] == [None] * 6
+    assert isolated.record(True) == "4 skipped iterations in the run (max_skipped_iters)"
+    resumed = SkipGuard(max_in_a_row=3, max_in_run=100, in_run=50)  # the run's count comes with the checkpoint
+    assert [resumed.record(True) for _ in range(3)] == [None, None, "3 skipped iterations in a row "
+                                                                    "(max_consecutive_skipped_iters)"]
+    assert resumed.in_run == 53 and str(resumed) == "3/3 in a row, 53/100 in the run"

@@ -12,7 +12,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.training.conftest import REPO, common_args, read_metrics, run_trainer, train_losses
+from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR
+from megatron_mimesis.training.config import TrainConfig
+from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
+from tests.training.conftest import REPO, VOCAB, common_args, read_metrics, run_trainer, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +100,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dataset, tmp_path):
     assert json.loads((ckpt / f"iter_{iteration:07d}" / "run_config.json").read_text())["preset"]["name"] == "tiny"
 
 
-def test_finetune_starts_from_the_weights_at_another_layout(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+def test_finetune_starts_from_the_weights_at_another_layout(tiny_dataset, tiny_hf_checkpoint, tmp_path, planner):
     """--finetune takes the weights only (iteration 0, fresh optimizer), here from PP=2 into TP=2 and into bf16
     (whose fp32 main params are separate copies that must start from the loaded weights)."""
     source = tmp_path / "source" / "ckpt"
@@ -108,6 +111,14 @@ def test_finetune_starts_from_the_weights_at_another_layout(tiny_dataset, tiny_h
                                 "--train-iters", "1", "--lr", "1e-12", "--min-lr", "0", "--lr-warmup-iters", "0",
                                 "--load", str(source), "--finetune", "--bf16", "--save", str(tmp_path / "ft" / "ckpt")))
     assert [r["iteration"] for r in read_metrics(tmp_path / "ft")] == [1]
+    for directory, layout in ((source, {"pipeline_model_parallel_size": 2}),
+                              (tmp_path / "ft" / "ckpt", {"tensor_model_parallel_size": 2, "bf16": True})):
+        config = TrainConfig(model_overrides={"vocab_size": VOCAB}, **layout)
+        saved = directory / f"iter_{int((directory / 'latest').read_text()):07d}"
+        written = sum(f.stat().st_size for f in saved.rglob("*")
+                      if f.is_file() and TOKENIZER_SUBDIR not in f.parts)
+        # the --dry-run row: every tensor; what it leaves out (metadata, RNG states, run config) is a fixed ~0.6 MiB
+        assert 0 < written - planner.submit(planned_checkpoint_bytes, config, 2).result() < 2**20, (layout, written)
     before, after = _final_tensors(source, tmp_path), _final_tensors(tmp_path / "ft" / "ckpt", tmp_path)
     weights = [k for k in before if not k.startswith("optimizer.")]
     assert len(weights) > 20
@@ -159,7 +170,7 @@ def test_diverging_run_skips_non_finite_steps_then_stops(tiny_dataset, tmp_path)
     assert proc.returncode != 0
     records = read_metrics(tmp_path)
     assert records[-1]["skipped_iters"] == 2 and records[-1]["iteration"] < 40
-    assert "2 skipped iterations (max_skipped_iters); stopping" in proc.stdout + proc.stderr
+    assert "2 skipped iterations in the run (max_skipped_iters); stopping" in proc.stdout + proc.stderr
     assert any(r["loss"] is None for r in records)  # non-finite losses are logged as null, not dropped
     skipped = {r["iteration"] for before, r in zip([{"skipped_iters": 0}, *records[:-1]], records, strict=True)
                if r["skipped_iters"] > before["skipped_iters"]}

@@ -7,23 +7,23 @@ import typing
 
 import pytest
 
+from megatron_mimesis.models.presets import Qwen35Preset
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
-from megatron_mimesis.training.flops import parameter_count
 from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main
 from tests.checkpoints import small_checkpoint
-from tests.training.memory.planning import trainer_dry_run
+from tests.training.memory.planning import save_dir_refusal, trainer_dry_run
 
 
-def _numeric_fields(cls) -> set[str]:
+def _numeric_fields(cls, prefix: str = "") -> set[str]:
     hints = typing.get_type_hints(cls)
-    return {f.name for f in dataclasses.fields(cls) if _flag_type(hints[f.name]) in (int, float)}
+    return {prefix + f.name for f in dataclasses.fields(cls) if _flag_type(hints[f.name]) in (int, float)}
 
 
 @pytest.mark.parametrize("cls", [TrainConfig, SimulatorRLConfig, AgentRLConfig])
-def test_every_numeric_option_has_a_range(cls):
-    assert _numeric_fields(cls) == set(cls.RANGES)
+def test_every_numeric_option_and_preset_size_has_a_range(cls):
+    assert _numeric_fields(cls) | _numeric_fields(Qwen35Preset, "model_overrides.") == set(cls.RANGES)
 
 
 @pytest.mark.parametrize(("changes", "reason"), [
@@ -40,6 +40,15 @@ def test_every_numeric_option_has_a_range(cls):
     ({"lr": "1e-3"}, r"lr: expected a number, got '1e-3' \(str\)"),  # YAML 1.1 reads 1e-3 as a string
     ({"train_iters": 2.5}, r"train_iters: expected an integer, got 2.5 \(float\)"),
     ({"seed": True}, r"seed: expected an integer, got True \(bool\)"),
+    ({"lr": float("inf")}, "lr must be a finite number, got inf"),
+    ({"clip_grad": float("nan")}, "clip_grad must be a finite number, got nan"),
+    ({"max_consecutive_skipped_iters": 0}, "max_consecutive_skipped_iters must be at least 1, got 0"),
+    ({"model_overrides": {"num_layers": 0}}, "model_overrides.num_layers must be at least 1, got 0"),
+    ({"model_overrides": {"hidden_size": 0}}, "model_overrides.hidden_size must be at least 1, got 0"),
+    ({"model_overrides": {"rms_norm_eps": float("inf")}}, "model_overrides.rms_norm_eps must be a finite number"),
+    ({"model_overrides": {"rotary_percent": 1.5}}, r"model_overrides.rotary_percent must be in \(0, 1\], got 1.5"),
+    ({"model_overrides": {"head_dim": "64"}}, r"model_overrides.head_dim: expected an integer, got '64' \(str\)"),
+    ({"model_overrides": {"num_heads": 8}}, r"model_overrides: unknown preset field\(s\) \['num_heads'\]"),
 ])
 def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes, reason):
     with pytest.raises(ConfigError, match=f"^{reason}") as info:
@@ -61,6 +70,16 @@ def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes,
 def test_rl_options_out_of_range_are_refused(cls, changes, reason):
     with pytest.raises(ConfigError, match=f"^{reason}"):
         cls(**changes).validate(1)
+
+
+def test_a_generate_call_must_end_before_the_collective_timeout_of_the_replicas_waiting_for_it():
+    with pytest.raises(ConfigError, match=r"^generation_timeout_s 1800 is not below distributed_timeout_minutes 30 x 60: "
+                                          r".*; raise distributed_timeout_minutes$"):
+        SimulatorRLConfig(generation_timeout_s=1800, distributed_timeout_minutes=30).validate_without_files(1)
+    SimulatorRLConfig(generation_timeout_s=1799, distributed_timeout_minutes=30).validate_without_files(1)
+    AgentRLConfig(generation_timeout_s=None, distributed_timeout_minutes=1).validate_without_files(1)  # no limit: nothing to compare
+    with pytest.raises(ConfigError, match="^distributed_timeout_minutes must be at least 1, got 0"):
+        TrainConfig(distributed_timeout_minutes=0).validate_without_files(1)
 
 
 def _manifest(path, sha="a" * 64):
@@ -87,15 +106,36 @@ def _checkpoint(root, iteration=5, train=None, **run_config):
     return root
 
 
-def test_a_fresh_run_into_a_save_directory_with_checkpoints_is_refused_unless_asked(tmp_path):
-    save = _checkpoint(tmp_path / "ckpt")
-    config = TrainConfig(data_path=str(tmp_path), save=str(save))
-    with pytest.raises(ConfigError, match=r"already holds checkpoints \(latest: iteration 5\); resume with --load"):
-        config.validate(1)
-    config.replace(overwrite_save=True).validate(1)
-    config.replace(load=str(save)).validate(1)
+@pytest.mark.parametrize("start", [
+    {"pretrained_hf": "HF"},  # midtrain_9b (PRETRAINED_HF), rl_agent_9b.yaml
+    {"load": "SOURCE", "finetune": True},  # sft_9b.yaml, rl_simulator_9b.yaml
+    {"pretrained_hf": "HF", "load": "", "finetune": False},  # sft_9b.yaml's documented start from an HF export
+    {},
+], ids=["pretrained_hf", "load-finetune", "sft-from-hf", "fresh"])
+def test_a_save_directory_holding_a_checkpoint_is_resumed_whatever_the_starting_weights(tmp_path, start):
+    (tmp_path / "HF").mkdir()
+    source = _checkpoint(tmp_path / "SOURCE", iteration=3)
+    paths = {"HF": str(tmp_path / "HF"), "SOURCE": str(source)}
+    start = {k: paths.get(v, v) for k, v in start.items()}
+    save = tmp_path / "ckpt"
+    config = TrainConfig(data_path=str(tmp_path), save=str(save), **start)
+    assert config.resolve_start() == (config, None)  # nothing saved yet: starts as configured
+    config.validate(1)
+    _checkpoint(save, train=config.to_dict())
+    resumed, line = config.resolve_start()
+    assert (resumed.load, resumed.finetune, resumed.pretrained_hf) == (str(save), False, None)
+    configured = " and ".join([f"pretrained_hf {start.get('pretrained_hf')}"] * bool(start.get("pretrained_hf"))
+                              + [f"the weights of {source}"] * bool(start.get("finetune")))
+    assert line == f"resuming from {save} (iteration 5)" + (
+        f", not from {configured} as configured: a save directory holding a checkpoint is resumed (--overwrite-save "
+        f"starts over)" if configured else "")
+    resumed.validate(1)
+    assert config.replace(overwrite_save=True).resolve_start()[1] is None  # starts over, as configured
+    with pytest.raises(ConfigError, match=rf"^save: {save}/iter_0000005 was saved by a run with other schedule "
+                                          r"options \(train_iters 200 -> 400\): .* or pass --overwrite-save"):
+        config.replace(train_iters=400).resolve_start()[0].validate(1)
     help_text = " ".join(build_arg_parser().format_help().split())
-    assert "--overwrite-save, --no-overwrite-save let a fresh run (no --load) write into a save directory" in help_text
+    assert "--overwrite-save, --no-overwrite-save start over in a save directory that already holds" in help_text
 
 
 def test_resume_with_another_schedule_is_refused_with_the_reason(tmp_path):
@@ -125,27 +165,16 @@ def test_data_of_another_tokenizer_than_the_checkpoint_is_refused_on_load(tmp_pa
     assert "records no tokenizer" in capsys.readouterr().err
 
 
-def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path):
+def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path, planner):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"save: .*/file is not a directory"):
-        TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir()
-    TrainConfig(save=str(tmp_path / "new" / "ckpt")).check_save_dir()  # created at the first save
-    # ~1000 x the 9B model: no disk this runs on has that much room
-    huge = TrainConfig(model="9b", model_overrides={"num_layers": 32_000}, save=str(tmp_path / "ckpt"))
-    with pytest.raises(ConfigError, match=r"save: no space left for a checkpoint in .*: [\d.]+ GiB free, a "
-                                          r"checkpoint of this model takes about [\d.]+ GiB"):
-        huge.check_save_dir()
-
-
-def test_checkpoint_size_estimate_counts_the_parameters_of_the_hf_model():
-    from transformers import Qwen3_5ForCausalLM
-
-    preset = TrainConfig(model_overrides={"vocab_size": 512}).preset
-    hf_params = sum(p.numel() for p in Qwen3_5ForCausalLM(preset.to_hf_config()).parameters())
-    assert abs(parameter_count(preset) - hf_params) / hf_params < 0.01  # norms and biases are left out
-    fp32 = TrainConfig(model_overrides={"vocab_size": 512})
-    assert fp32.checkpoint_bytes() == parameter_count(preset) * (4 + 4 + 4)  # weights, Adam's two moments
-    assert fp32.replace(bf16=True).checkpoint_bytes() == parameter_count(preset) * (2 + 4 + 4 + 4)
+        TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir(1)
+    config = TrainConfig(model_overrides={"vocab_size": 512}, save=str(tmp_path / "new" / "ckpt"))
+    assert planner.submit(save_dir_refusal, config, 1, 2**30).result() is None  # created at the first save
+    # the tiny model at vocab 512 (0.43M parameters, fp32: 16 bytes each), in readable units
+    assert planner.submit(save_dir_refusal, config, 1, 3 * 2**20).result() == (
+        f"save: no space left for a checkpoint in {tmp_path}: 3.0 MiB free, a checkpoint of this run takes about "
+        f"6.6 MiB")
 
 
 def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch, planner):

@@ -14,6 +14,7 @@ checked on the way into the engine (``check_agent_context``): public messages on
 user, no coach-note header. A violation is a hard error, since a leak would silently train on privileged text.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -113,8 +114,11 @@ class AgentEpisodeRunner:
         self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
         self.max_agent_turns = max_agent_turns
 
-    def run(self, suite: EnvSuite, task_ids: list[str], rollouts_per_task: int, step_seed: int) -> list[AgentEpisode]:
+    def run(self, suite: EnvSuite, task_ids: list[str], rollouts_per_task: int, step_seed: int,
+            stop_requested: Callable[[], bool] = lambda: False) -> list[AgentEpisode]:
         """``rollouts_per_task`` episodes per task; group_id is the task's index, rollout_id a running index.
+        ``stop_requested`` is asked after each round (a preemption: the step will be dropped) and ends the episodes
+        there when it says so.
         Round ``r`` (every live episode's agent generates once per round, so r < max_agent_turns) seeds its user
         call with ``base + 2r`` and its agent call with ``base + 2r + 1``, ``base = step_seed * 2 *
         max_agent_turns``: reproducible, and for non-negative step seeds never the same seed twice in a run."""
@@ -137,6 +141,8 @@ class AgentEpisodeRunner:
                 sampling = replace(self.sampling, seed=base + 2 * rounds + 1)
                 waiting_user, waiting_agent = self._agent_round(episodes, waiting_agent, sampling)
             rounds += 1
+            if stop_requested():
+                break
         return episodes
 
     def _user_round(self, episodes: list[AgentEpisode], indices: list[int], seed: int) -> list[int]:

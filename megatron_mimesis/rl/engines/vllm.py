@@ -80,7 +80,7 @@ CPU_TINY_OPTIONS = {"kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 1024,
 # What the engine sets itself: engine_options may add to these, never replace them.
 FIXED_OPTIONS = ("model", "tokenizer", "skip_tokenizer_init", "tensor_parallel_size", "pipeline_parallel_size",
                  "distributed_executor_backend", "enable_sleep_mode", "load_format", "dtype", "logprobs_mode",
-                 "mamba_ssm_cache_dtype")
+                 "mamba_ssm_cache_dtype", "distributed_timeout_seconds", "cpu_distributed_timeout_seconds")
 
 
 def import_vllm():
@@ -111,7 +111,8 @@ def check_vllm_config(config) -> None:
     fixed = sorted(set(config.engine_options) & set(FIXED_OPTIONS))
     if fixed:
         raise ConfigError(f"engine_options: {fixed} are set by the vLLM engine itself (the DeltaNet state dtype by "
-                          "engine_deltanet_state_dtype)")
+                          "engine_deltanet_state_dtype, the timeouts of its process groups by "
+                          "distributed_timeout_minutes)")
 
 
 def hf_shaped(named_tensors, vocab_size: int, padded_vocab: int):
@@ -197,8 +198,10 @@ class VLLMEngine:
         from megatron_mimesis.rl.engines.weight_sync import sync_weights
 
         check_vllm_config(config)
+        timeout_s = config.distributed_timeout_minutes * 60  # vLLM's groups wait for peers as the trainer's do
         engine = cls(config.preset, tokenizer, config.tensor_model_parallel_size,
-                     {"seed": config.seed, **config.engine_options}, config.engine_deltanet_state_dtype)
+                     {"seed": config.seed, **config.engine_options, "distributed_timeout_seconds": timeout_s,
+                      "cpu_distributed_timeout_seconds": timeout_s}, config.engine_deltanet_state_dtype)
         sync_weights(engine, trainer.model, config.preset, trainer.provider.padded_vocab_size)
         return engine
 

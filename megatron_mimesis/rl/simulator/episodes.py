@@ -56,8 +56,11 @@ class EpisodeRunner:
         self.stop_marker = stop_marker
         self.policy_system_prompt_fn = policy_system_prompt_fn
 
-    def run(self, prompts: list[PromptLike], rollouts_per_prompt: int, step_seed: int) -> list[Episode]:
+    def run(self, prompts: list[PromptLike], rollouts_per_prompt: int, step_seed: int,
+            stop_requested: Callable[[], bool] = lambda: False) -> list[Episode]:
         """``rollouts_per_prompt`` episodes per prompt; group_id is the prompt's index, rollout_id a running index.
+        ``stop_requested`` is asked after each turn's generation batch (a preemption: the step will be dropped) and
+        ends the episodes there when it says so.
 
         Turn ``t`` of step ``step_seed`` samples with seed ``step_seed * max_turns + t``: reproducible, and for
         non-negative step seeds never the same seed twice in a run or across steps."""
@@ -83,6 +86,8 @@ class EpisodeRunner:
             generations = self.engine.generate(contexts, sampling)
             if len(generations) != len(active):
                 raise RuntimeError(f"engine returned {len(generations)} generations for {len(active)} prompts")
+            if stop_requested():
+                break
             talking = []
             for i, context, generation in zip(active, contexts, generations, strict=True):
                 if self._policy_turn(episodes[i], context, generation, last=turn == self.max_turns - 1):

@@ -4,7 +4,8 @@ GRPO (+ CSD) loss on the last stage's hidden states -> an optimizer step.
 Each training row is one policy turn: ``context + response`` tokens, with the loss on the response tokens
 only (the position before each response token predicts it), the sampler's log-probs of those tokens as the
 old log-probs, the row's advantage on every one of its tokens and, when another engine sampled the row, each
-token's rollout-correction weight (``rollout_correction.py``; a weight of 0 is a rejected token, off the loss mask). Rows are packed into THD micro-batches
+token's rollout-correction weight (``rollout_correction.py``; a weight of 0 is a rejected token, off the loss mask);
+the rows arrive as tensors (``rows.StepRows``), which cut into the micro-batches. Rows are packed into THD micro-batches
 (documents never see each other) of at most ``max_tokens_per_microbatch`` tokens, balanced across
 data-parallel ranks by token count; every rank computes the same plan, so all ranks agree on the number of
 micro-batches without communicating. The loss is a token mean over the whole step: the fused kernel returns
@@ -21,11 +22,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mimesis.data.collate import packed_seq_params
 from megatron_mimesis.kernels import fused_linear_policy_loss
-from megatron_mimesis.rl.types import TrainingRow
+from megatron_mimesis.rl.update.rows import TOKEN_FIELDS, StepRows
 from megatron_mimesis.training.loss import fused_loss_inputs
-
-TOKEN_FIELDS = ("tokens", "labels", "loss_mask", "old_logprobs", "advantages", "teacher_logprobs", "ref_logprobs",
-                "rollout_weights", "position_ids")
 
 
 @dataclass(frozen=True)
@@ -36,29 +34,6 @@ class PolicyLossConfig:
     csd_alpha: float = 0.0
     csd_beta: float = 5.0
     kl_coef: float = 0.0
-
-
-def row_sample(row: TrainingRow, advantage: float, teacher_logprobs: list[float] | None = None,
-               ref_logprobs: list[float] | None = None, rollout_weights: list[float] | None = None) -> dict:
-    """Token-level arrays of one row; position i predicts token i + 1. A token whose rollout weight is 0 was
-    rejected by the rollout correction: it leaves the loss mask, so it weighs nothing and counts in no mean."""
-    tokens = row.context_ids + row.response_ids
-    n, start = len(tokens), len(row.context_ids) - 1
-    if len(row.response_logprobs) != len(row.response_ids) or start < 0:
-        raise ValueError("a row needs a non-empty context and one log-prob per response token")
-    zeros = [0.0] * n
-    mask, old, adv, teacher, ref, weights = (list(zeros) for _ in range(6))
-    for k, logprob in enumerate(row.response_logprobs):
-        old[start + k], adv[start + k] = logprob, advantage
-        weights[start + k] = 1.0 if rollout_weights is None else rollout_weights[k]
-        mask[start + k] = float(weights[start + k] != 0.0)
-        if teacher_logprobs is not None:
-            teacher[start + k] = teacher_logprobs[k]
-        if ref_logprobs is not None:
-            ref[start + k] = ref_logprobs[k]
-    return {"tokens": tokens, "labels": tokens[1:] + [0], "loss_mask": mask, "old_logprobs": old,
-            "advantages": adv, "teacher_logprobs": teacher, "ref_logprobs": ref, "rollout_weights": weights,
-            "position_ids": list(range(n))}
 
 
 def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
@@ -88,23 +63,6 @@ def plan_microbatches(lengths: list[int], dp_size: int, max_tokens: int) -> list
         plans.append(bins)
     count = max(1, max(len(p) for p in plans))
     return [p + [[] for _ in range(count - len(p))] for p in plans]
-
-
-def collate_rows(samples: list[dict], pad_to_multiple: int, device) -> dict:
-    """Concatenate rows into one THD micro-batch [1, T] with cu_seqlens; an empty list gives a 1-token pad row."""
-    if not samples:
-        samples = [{name: [0] if name in ("tokens", "labels", "position_ids") else [0.0] for name in TOKEN_FIELDS}]
-    lengths = [len(s["tokens"]) for s in samples]
-    pad = (-sum(lengths)) % pad_to_multiple
-    batch = {}
-    for name in TOKEN_FIELDS:
-        values = [v for s in samples for v in s[name]] + [0] * pad
-        dtype = torch.long if name in ("tokens", "labels", "position_ids") else torch.float32
-        batch[name] = torch.tensor(values, dtype=dtype, device=device).unsqueeze(0)
-    bounds = torch.tensor([0, *lengths, *([pad] if pad else [])]).cumsum(0).to(torch.int32)
-    batch["cu_seqlens"] = bounds.to(device)
-    batch["max_seqlen"] = max(lengths + [pad])
-    return batch
 
 
 def _policy_output_processor(loss_config: PolicyLossConfig, weighted: bool, batch: dict, *, hidden_states,
@@ -143,24 +101,18 @@ def _forward_step(loss_config, weighted, data_iterator, model):
     return output, loss_func
 
 
-def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], advantages: list[float],
-                  loss_config: PolicyLossConfig, max_tokens_per_microbatch: int, device,
-                  teacher_logprobs: list[list[float]] | None = None,
-                  ref_logprobs: list[list[float]] | None = None,
-                  rollout_weights: list[list[float]] | None = None) -> dict:
-    """One optimizer step on ``rows``; collective over all ranks, which must pass identical rows. Returns the
-    step's token-mean loss and metrics (on every rank) and the optimizer's grad norm. ``rollout_weights``: per-row
-    token weights of the rollout correction; None runs the loss without them."""
-    samples = [row_sample(r, a, teacher_logprobs[i] if teacher_logprobs else None,
-                          ref_logprobs[i] if ref_logprobs else None,
-                          rollout_weights[i] if rollout_weights else None)
-               for i, (r, a) in enumerate(zip(rows, advantages, strict=True))]
-    plan = plan_microbatches([len(s["tokens"]) for s in samples],
-                             parallel_state.get_data_parallel_world_size(), max_tokens_per_microbatch)
+def policy_update(model_chunks, optimizer, scheduler, rows: StepRows, advantages: torch.Tensor,
+                  loss_config: PolicyLossConfig, max_tokens_per_microbatch: int, device) -> dict:
+    """One optimizer step on ``rows`` (every data-parallel rank's, :meth:`StepRows.gathered`) with one advantage
+    each; collective over all ranks, which must pass identical rows. With a ``rollout_weights`` field the loss weighs
+    each token by it. Returns the step's token-mean loss and metrics (on every rank) and the optimizer's grad norm."""
+    weighted = "rollout_weights" in rows.response
+    plan = plan_microbatches(rows.lengths.tolist(), parallel_state.get_data_parallel_world_size(),
+                             max_tokens_per_microbatch)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pad_to = tp if model_chunks[0].config.sequence_parallel else 1
     mine = plan[parallel_state.get_data_parallel_rank()]
-    batches = [collate_rows([samples[i] for i in mb], pad_to, device) for mb in mine]
+    batches = [rows.microbatch(mb, advantages, pad_to, device) for mb in mine]
     for m in model_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()
@@ -170,7 +122,7 @@ def policy_update(model_chunks, optimizer, scheduler, rows: list[TrainingRow], a
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         model_chunks[0].config.variable_seq_lengths = True  # packed micro-batches differ in length
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_config, rollout_weights is not None), data_iterator=iterators,
+        forward_step_func=partial(_forward_step, loss_config, weighted), data_iterator=iterators,
         model=model_chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1,
         forward_only=False,
     )

@@ -2,16 +2,16 @@
 distribution, the mismatch metrics, and the warning when the correction acts on too many tokens.
 
 The rows carry both log-probs of every sampled token (``TrainingRow.response_logprobs``, the trainer's, and
-``engine_logprobs``, the sampler's; see ``scoring.recompute_old_logprobs``); the weights are
-:func:`~megatron_mimesis.kernels.reference.rollout_correction_weights` of the two, one list per row, and go into the
-policy loss as a per-token multiplier (``policy_step``). Rows sampled by the training model itself carry no engine
+``engine_logprobs``, the sampler's; see ``scoring.recompute_old_logprobs``), as the step's tensors
+(``rows.StepRows``); the weights are :func:`~megatron_mimesis.kernels.reference.rollout_correction_weights` of the
+two, one per response token, and go into the policy loss as a per-token multiplier (``policy_step``). Rows sampled by the training model itself carry no engine
 log-probs: then there is nothing to correct, no weight is computed and the loss is the uncorrected one.
 """
 
 import torch
 
 from megatron_mimesis.kernels.reference import rollout_correction_weights
-from megatron_mimesis.rl.types import TrainingRow
+from megatron_mimesis.rl.update.rows import StepRows
 
 
 def correction(trainer: list[list[float]], engine: list[list[float]], mode: str, level: str, cap: float
@@ -31,16 +31,14 @@ def correction(trainer: list[list[float]], engine: list[list[float]], mode: str,
     return per_row, {name: value.item() for name, value in metrics.items()}
 
 
-def rollout_weights(rows: list[TrainingRow], mode: str, level: str, cap: float
-                    ) -> tuple[list[list[float]] | None, dict]:
-    """The step's per-row token weights (None when no row has engine log-probs, or ``mode`` is "off") and the
-    metrics over all the rows' tokens (``engine_kl``, ``engine_logprob_abs_diff[_max]``, ``is_*``)."""
-    if not any(r.engine_logprobs is not None for r in rows):
+def rollout_weights(rows: StepRows, mode: str, level: str, cap: float) -> tuple[torch.Tensor | None, dict]:
+    """The weight of each of the step's response tokens, [S] (None when no row has engine log-probs, or ``mode`` is
+    "off"), and the metrics over all of them (``engine_kl``, ``engine_logprob_abs_diff[_max]``, ``is_*``)."""
+    if "engine_logprobs" not in rows.response:
         return None, {}
-    weights, metrics = correction([r.response_logprobs for r in rows],
-                                  [r.response_logprobs if r.engine_logprobs is None else r.engine_logprobs
-                                   for r in rows], mode, level, cap)
-    return (None if mode == "off" else weights), metrics
+    weights, metrics = rollout_correction_weights(rows.response["old_logprobs"], rows.response["engine_logprobs"],
+                                                  rows.response_row_index(), mode=mode, level=level, cap=cap)
+    return (None if mode == "off" else weights), {name: value.item() for name, value in metrics.items()}
 
 
 def correction_warning(record: dict, mode: str, cap: float, warn_frac: float) -> str | None:

@@ -18,16 +18,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_mimesis.data.collate import packed_seq_params
 from megatron_mimesis.kernels import fused_linear_logprobs
 from megatron_mimesis.rl.types import TrainingRow
-from megatron_mimesis.rl.update.policy_step import TOKEN_FIELDS, collate_rows, plan_microbatches
+from megatron_mimesis.rl.update.policy_step import plan_microbatches
+from megatron_mimesis.rl.update.rows import StepRows
 from megatron_mimesis.training.loss import fused_loss_inputs
-
-
-def _sample(context_ids: list[int], response_ids: list[int]) -> dict:
-    """A row in the policy step's micro-batch format; only tokens, labels and positions matter here."""
-    tokens = context_ids + response_ids
-    sample = {name: [0.0] * len(tokens) for name in TOKEN_FIELDS}
-    sample.update(tokens=tokens, labels=tokens[1:] + [0], position_ids=list(range(len(tokens))))
-    return sample
 
 
 def _logprob_output_processor(target_ids, *, hidden_states, output_layer, output_weight, config, **_):
@@ -49,11 +42,11 @@ def score_rows(model_chunks, rows: list[tuple[list[int], list[int]]], max_tokens
     """For each ``(context_ids, response_ids)``: log p(response token | everything before it), on every rank."""
     if not rows:
         return []
-    samples = [_sample(c, r) for c, r in rows]
-    plan = plan_microbatches([len(s["tokens"]) for s in samples], 1, max_tokens_per_microbatch)[0]
+    step = StepRows.of(rows)  # in the policy step's micro-batch format; only tokens, labels and positions matter here
+    plan = plan_microbatches(step.lengths.tolist(), 1, max_tokens_per_microbatch)[0]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pad_to = tp if model_chunks[0].config.sequence_parallel else 1
-    batches = [collate_rows([samples[i] for i in mb], pad_to, device) for mb in plan]
+    batches = [step.microbatch(mb, None, pad_to, device) for mb in plan]
     chunks = len(model_chunks)
     iterators = [iter(batches) for _ in range(chunks)] if chunks > 1 else iter(batches)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

@@ -34,6 +34,13 @@ from megatron_mimesis.training.memory.activations import (
     lm_head,
     measure,
 )
+from megatron_mimesis.training.memory.checkpoint import (
+    GPUS_PER_NODE,
+    WRITE_BYTES_PER_S_PER_NODE,
+    checkpoint_bytes,
+    readable_bytes,
+    save_seconds,
+)
 from megatron_mimesis.training.memory.gpus import GPU_MEMORY_GIB, MARGIN
 from megatron_mimesis.training.memory.states import StageStates, stage_states
 
@@ -134,8 +141,10 @@ class MemoryPlan:
             return row + (f"  {last}" if last else "")
 
         lines = [self.title, line("", self.columns, "source")]
-        lines += [line(row.term, [cell(row, c) for c in self.columns], row.source) for row in self.rows]
+        lines += [line(row.term, [cell(row, c) for c in self.columns], row.source) for row in self.rows if row.counts]
         lines.append(line("total (GiB)", [f"{self.total(c) / GIB:.2f}" for c in self.columns]))
+        lines += [line(row.term, [cell(row, c) for c in self.columns], row.source)
+                  for row in self.rows if not row.counts]
         worst = self.total(self.worst_column)
         verdict = (f"fits, {(self.usable_bytes - worst) / GIB:.1f} GiB to spare" if self.fits
                    else f"does not fit: {(worst - self.usable_bytes) / GIB:.1f} GiB over")
@@ -184,6 +193,16 @@ def cached_stage_states(config, world_size: int, pipeline_rank: int, microbatche
     return _stage_cache[key]
 
 
+def planned_checkpoint_bytes(config, world_size: int) -> int:
+    """One checkpoint of ``config`` on ``world_size`` ranks (``checkpoint.checkpoint_bytes``), in a process without a
+    process group yet (a rank before its trainer starts: the CPU adaptation it would enable anyway comes first)."""
+    from megatron_mimesis.compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    return checkpoint_bytes(config, [cached_stage_states(config, world_size, r, 1)
+                                     for r in range(config.pipeline_model_parallel_size)])
+
+
 def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
     """The plan of ``config`` (a TrainConfig or RL config, validated) on ``world_size`` GPUs running ``workload``."""
     pp = config.pipeline_model_parallel_size
@@ -204,13 +223,39 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
         table.add(f"{workload.engine.name} engine, awake", "rollout", workload.engine.awake_bytes,
                   workload.engine.awake_source, "engine")
         table.add("CUDA context, NCCL, workspaces", "rollout", CONTEXT_ALLOWANCE_GIB * GIB, _ALLOWANCE, "allowance")
+    rows = table.rows() + _checkpoint_rows(config, world_size, stages, columns[0])
     gpu = config.gpu if config.gpu_memory_gib is None else f"{config.gpu} at {config.gpu_memory_gib:g} GiB"
     tokens = workload.tokens // config.context_parallel_size
     details = {"tokens_per_microbatch": tokens,
                "layer_gib": {kind: fit.at(tokens) / GIB for kind, fit in acts.layers.items()}}
     return MemoryPlan(title=_title(config, world_size, workload), gpu=gpu, capacity_bytes=gpu_capacity_bytes(config),
-                      columns=columns, rows=table.rows(), notes=_notes(config, workload, stages, columns, temporaries),
+                      columns=columns, rows=rows, notes=_notes(config, workload, stages, columns, temporaries),
                       details=details)
+
+
+def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column: str) -> list[Row]:
+    """Not GPU memory, in the same table: one checkpoint's size and its planned write time, which the SLURM lead
+    times are derived from (``training/lead_times.py``)."""
+    from megatron_mimesis.training.lead_times import lead_times
+
+    size = checkpoint_bytes(config, stages)
+    value, unit = readable_bytes(size).split()  # a readable unit below a GiB (a "GiB" row's values are bytes)
+    value = size if unit in ("GiB", "TiB") else float(value)
+    unit = "GiB" if unit == "TiB" else unit
+    seconds = save_seconds(size, world_size)
+    nodes = math.ceil(world_size / GPUS_PER_NODE)
+    signal_lead, shutdown = lead_times(config.stage, size, world_size)
+    return [
+        Row("checkpoint (weights, fp32 main copy, Adam m, v)", {column: value},
+            "exact: every stage's parameters, as saved", "checkpoint", unit=unit, counts=False),
+        Row(f"checkpoint write at {WRITE_BYTES_PER_S_PER_NODE / 1e9:g} GB/s per node ({nodes} node"
+            f"{'s' * (nodes > 1)})", {column: round(seconds, 1)},
+            "planned: the stated filesystem bandwidth (memory/checkpoint.py)", "checkpoint", unit="s", counts=False),
+        Row("SLURM lead: sbatch --signal=B:USR1@", {column: signal_lead}, "derived: training/lead_times.py",
+            "checkpoint", unit="s", counts=False),
+        Row("SLURM lead: SHUTDOWN_TIMEOUT", {column: shutdown}, "derived: training/lead_times.py", "checkpoint",
+            unit="s", counts=False),
+    ]
 
 
 _EXACT = "exact: the rank's shard, built by megatron on fake tensors"

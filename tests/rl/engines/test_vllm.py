@@ -93,6 +93,8 @@ def test_sleep_wake_and_sync_order_where_the_platform_sleeps(fake_gpu_vllm, caps
     ({"overlap_param_gather": True}, "overlap_param_gather: false"),
     ({"engine_options": {"tensor_parallel_size": 8, "load_format": "auto"}},
      r"\['load_format', 'tensor_parallel_size'\] are set by the vLLM engine"),
+    ({"engine_options": {"distributed_timeout_seconds": 60}},
+     r"\['distributed_timeout_seconds'\] are set by the vLLM engine .* by distributed_timeout_minutes"),
 ])
 def test_unsupported_settings_are_refused_before_vllm_starts(fake_gpu_vllm, changes, reason):
     config = rl_config(**changes)
@@ -101,6 +103,16 @@ def test_unsupported_settings_are_refused_before_vllm_starts(fake_gpu_vllm, chan
     with pytest.raises(ConfigError, match=reason):
         VLLMEngine.from_config(config, None, char_tokenizer())
     assert FakeLLM.built == []
+
+
+def test_vllms_process_groups_wait_as_long_as_the_trainers(fake_gpu_vllm, monkeypatch):
+    from megatron_mimesis.rl.engines import weight_sync
+
+    monkeypatch.setattr(weight_sync, "sync_weights", lambda *args: None)
+    trainer = SimpleNamespace(model=None, provider=SimpleNamespace(padded_vocab_size=512))
+    VLLMEngine.from_config(rl_config(distributed_timeout_minutes=60), trainer, char_tokenizer())
+    (llm,) = FakeLLM.built
+    assert llm.kwargs["distributed_timeout_seconds"] == llm.kwargs["cpu_distributed_timeout_seconds"] == 3600
 
 
 def test_supported_settings_pass():

@@ -5,7 +5,8 @@ import torch
 
 from megatron_mimesis.models.config import ParallelConfig
 from megatron_mimesis.rl.types import TrainingRow
-from megatron_mimesis.rl.update.policy_step import PolicyLossConfig, plan_microbatches, row_sample
+from megatron_mimesis.rl.update.policy_step import PolicyLossConfig, plan_microbatches
+from megatron_mimesis.rl.update.rows import StepRows
 from tests.models.harness import PRESET, build_megatron_from_hf, hf_reference
 from tests.multiproc import run_distributed
 
@@ -65,13 +66,21 @@ def _reference(model, rows, advantages, weights=None):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_row_sample_puts_the_loss_on_response_predictions():
-    row = TrainingRow(0, 0, context_ids=[10, 11, 12], response_ids=[13, 14], response_logprobs=[-1.0, -2.0],
-                      reward=1.0, domain="x")
-    s = row_sample(row, advantage=0.5)
-    assert s["tokens"] == [10, 11, 12, 13, 14] and s["labels"] == [11, 12, 13, 14, 0]
-    assert s["loss_mask"] == [0, 0, 1, 1, 0] and s["old_logprobs"] == [0, 0, -1.0, -2.0, 0]
-    assert s["advantages"] == [0, 0, 0.5, 0.5, 0]
+def test_a_microbatch_puts_the_loss_on_response_predictions():
+    rows = StepRows.of_rows([
+        TrainingRow(0, 0, context_ids=[10, 11, 12], response_ids=[13, 14], response_logprobs=[-1.0, -2.0],
+                    reward=1.0, domain="x"),
+        TrainingRow(1, 1, context_ids=[20], response_ids=[21, 22], response_logprobs=[-3.0, -4.0], reward=0.0,
+                    domain="x")], teacher=[[-0.5, -0.6], [-0.7, -0.8]])
+    b = {k: v[0].tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v
+         for k, v in rows.microbatch([1, 0], torch.tensor([0.5, -1.0]), 3, "cpu").items()}
+    assert b["tokens"] == [20, 21, 22, 10, 11, 12, 13, 14, 0] and b["labels"] == [21, 22, 0, 11, 12, 13, 14, 0, 0]
+    assert b["position_ids"] == [0, 1, 2, 0, 1, 2, 3, 4, 0]
+    assert b["loss_mask"] == [1, 1, 0, 0, 0, 1, 1, 0, 0] and b["advantages"] == [-1, -1, 0, 0, 0, 0.5, 0.5, 0, 0]
+    assert b["old_logprobs"] == [-3, -4, 0, 0, 0, -1, -2, 0, 0]
+    assert b["teacher_logprobs"] == pytest.approx([-0.7, -0.8, 0, 0, 0, -0.5, -0.6, 0, 0])
+    assert b["ref_logprobs"] == [0] * 9 and b["rollout_weights"] == [1, 1, 0, 0, 0, 1, 1, 0, 0]
+    assert b["cu_seqlens"].tolist() == [0, 3, 8, 9] and b["max_seqlen"] == 5  # one pad token to a multiple of 3
 
 
 def test_microbatch_plan_is_balanced_bounded_and_equal_in_count():
@@ -108,9 +117,13 @@ def _update_in_layout(rank, world_size, tp, sp, hf_state, rows, advantages, weig
     config.finalize_model_grads_func = finalize_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, clip_grad=0.0), [model])
     scheduler = OptimizerParamScheduler(optimizer, 0.0, 0.0, 0.0, 0, 10, "constant", 0.0, 0.0, 10, "constant")
-    result = policy_update([model], optimizer, scheduler, rows, advantages,
+    step = StepRows.of_rows(rows)
+    if weights is not None:
+        step = step.with_response("rollout_weights", torch.tensor([w for row in weights for w in row],
+                                                                  dtype=torch.float64))
+    result = policy_update([model], optimizer, scheduler, step, torch.tensor(advantages),
                            PolicyLossConfig(clip_eps_low=EPS, clip_eps_high=EPS), max_tokens_per_microbatch=24,
-                           device=torch.device("cpu"), rollout_weights=weights)
+                           device=torch.device("cpu"))
     grads = gather_hf_tensors(module, PRESET, provider.padded_vocab_size, grads=True)
     parallel_state.destroy_model_parallel()
     return result, grads

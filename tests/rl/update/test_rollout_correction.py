@@ -4,11 +4,12 @@ token does to the update's arrays, the warning, and the options' validation."""
 import math
 
 import pytest
+import torch
 
 from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.rl.types import TrainingRow
-from megatron_mimesis.rl.update.policy_step import row_sample
 from megatron_mimesis.rl.update.rollout_correction import correction_warning, rollout_weights
+from megatron_mimesis.rl.update.rows import StepRows
 from megatron_mimesis.training.config import ConfigError
 
 
@@ -18,13 +19,14 @@ def _row(trainer, engine, rollout_id=0):
 
 
 def test_rows_sampled_by_the_training_model_get_no_weights_and_no_metrics():
-    assert rollout_weights([_row([-1.0, -2.0], None)], "tis", "token", 2.0) == (None, {})
+    assert rollout_weights(StepRows.of_rows([_row([-1.0, -2.0], None)]), "tis", "token", 2.0) == (None, {})
 
 
-def test_weights_come_back_per_row_with_the_metrics_of_all_tokens():
-    rows = [_row([-1.0, -1.0], [-1.0, -1.0 - math.log(3.0)]), _row([-2.0], [-2.0 + math.log(4.0)], rollout_id=1)]
+def test_weights_come_back_per_token_with_the_metrics_of_all_tokens():
+    rows = StepRows.of_rows([_row([-1.0, -1.0], [-1.0, -1.0 - math.log(3.0)]),
+                             _row([-2.0], [-2.0 + math.log(4.0)], rollout_id=1)])
     weights, metrics = rollout_weights(rows, "mis", "token", 2.0)
-    assert weights == [[1.0, 0.0], [0.0]]  # ratios 1, 3 and 1/4: two leave [1/2, 2]
+    assert weights.tolist() == [1.0, 0.0, 0.0]  # ratios 1, 3 and 1/4: two leave [1/2, 2]
     assert metrics["is_masked_frac"] == pytest.approx(2 / 3)
     assert metrics["engine_logprob_abs_diff_max"] == pytest.approx(math.log(4.0))
     assert all(isinstance(v, float) for v in metrics.values())
@@ -33,11 +35,13 @@ def test_weights_come_back_per_row_with_the_metrics_of_all_tokens():
 
 
 def test_a_rejected_token_leaves_the_loss_mask_and_keeps_its_place():
-    row = _row([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0])
-    sample = row_sample(row, advantage=0.5, rollout_weights=[1.5, 0.0, 1.0])
-    assert sample["loss_mask"] == [0, 1, 0, 1, 0] and sample["rollout_weights"] == [0, 1.5, 0.0, 1.0, 0]
-    assert sample["old_logprobs"] == [0, -1.0, -2.0, -3.0, 0] and sample["advantages"] == [0, 0.5, 0.5, 0.5, 0]
-    assert row_sample(row, advantage=0.5)["rollout_weights"] == [0, 1.0, 1.0, 1.0, 0]
+    rows = StepRows.of_rows([_row([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0])])
+    weighted = rows.with_response("rollout_weights", torch.tensor([1.5, 0.0, 1.0], dtype=torch.float64))
+    batch = {k: v[0].tolist() for k, v in weighted.microbatch([0], torch.tensor([0.5]), 1, "cpu").items()
+             if isinstance(v, torch.Tensor) and v.dim() == 2}
+    assert batch["loss_mask"] == [0, 1, 0, 1, 0] and batch["rollout_weights"] == [0, 1.5, 0.0, 1.0, 0]
+    assert batch["old_logprobs"] == [0, -1.0, -2.0, -3.0, 0] and batch["advantages"] == [0, 0.5, 0.5, 0.5, 0]
+    assert rows.microbatch([0], torch.tensor([0.5]), 1, "cpu")["rollout_weights"][0].tolist() == [0, 1, 1, 1, 0]
 
 
 def test_a_warning_line_when_the_correction_acts_on_too_many_tokens():

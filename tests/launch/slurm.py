@@ -1,0 +1,54 @@
+"""A fake SLURM for the launcher tests: ``scontrol`` and ``srun`` that stand in for the cluster's (the ``fake``
+fixture in conftest.py puts them on PATH), and the environment a batch job on four 8-GPU nodes sees."""
+
+import json
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_ID = 4242
+MASTER_PORT = 20000 + JOB_ID % 40000
+
+FAKE_SCONTROL = """#!/bin/bash
+if [[ "$1 $2" == "show hostnames" ]]; then printf 'node001\\nnode002\\nnode003\\nnode004\\n'; exit 0; fi
+echo "$*" >> "$FAKE_LOG/scontrol"
+"""
+# Records its arguments, then runs the per-node command as node 3 would (SLURM_NODEID=3; FAKE_NODEID overrides).
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/srun"
+SLURM_NODEID="${FAKE_NODEID:-3}" bash -c "${@: -1}"
+"""
+# Waits for SIGUSR1 the way a running job step would, and records that it got it.
+FAKE_SRUN_WAITING = """#!/bin/bash
+trap 'echo USR1 >> "$FAKE_LOG/srun_signals"; exit 0' USR1
+touch "$FAKE_LOG/srun_started"
+while true; do sleep 0.05; done
+"""
+
+
+def write_exe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def slurm_env(env, tmp_path):
+    return {
+        **env,
+        "SLURM_JOB_ID": str(JOB_ID),
+        "SLURM_JOB_NODELIST": "node[001-004]",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "0",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_CPUS_ON_NODE": "64",
+        "DATA_PATH": str(tmp_path / "data9b"),
+    }
+
+
+def run(script, args, env, timeout: float = 120, **kwargs):
+    return subprocess.run(["bash", f"launch/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def trainer_json(stdout: str) -> dict:
+    return json.loads(stdout[stdout.index("{\n"):])
