@@ -23,9 +23,10 @@ def _agent_args(tiny_dataset, tiny_hf_checkpoint, log_dir, *extra):
 
 @pytest.mark.slow
 def test_csd_changes_the_update_and_logs_its_gate(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    # one step each: every assertion is about the first update (the same rollouts, a different gradient)
     for name, alpha in (("csd", "0.5"), ("grpo", "0")):
         coach = [] if alpha != "0" else ["--coach", "none"]
-        run_trainer(2, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / name, "--train-iters", "2",
+        run_trainer(2, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / name, "--train-iters", "1",
                                     "--tensor-model-parallel-size", "2", "--csd-alpha", alpha, *coach),
                     module=AGENT_RL, timeout=600)
     csd, grpo = read_metrics(tmp_path / "csd"), read_metrics(tmp_path / "grpo")
