@@ -228,11 +228,7 @@ class RLLoop:
                 break
         else:
             save_final(c, progress["iteration"], save)
-        self.trainer.wait_for_checkpoint()
-        if stop == "signal":  # the checkpoint is published: say so to the launcher
-            self.log.stopped_for_requeue(progress["iteration"], exit_signal.received,
-                                         self.trainer.has_saved(progress["iteration"]))
-        self.log.close()
+        self.trainer.end_run(self.log, stop, exit_signal, progress["iteration"])
         return 0
 
 

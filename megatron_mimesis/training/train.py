@@ -362,10 +362,7 @@ class Trainer:
                 break
         else:
             save_final(c, progress["iteration"], save)
-        self.wait_for_checkpoint()
-        if stop == "signal":  # the checkpoint is published: say so to the launcher
-            log.stopped_for_requeue(progress["iteration"], exit_signal.received, self.has_saved(progress["iteration"]))
-        log.close()
+        self.end_run(log, stop, exit_signal, progress["iteration"])
         return status
 
     def save_checkpoint(self, progress: dict, run_config: dict) -> None:
@@ -386,6 +383,14 @@ class Trainer:
         """Publish the background save in flight, waiting for it: before the run ends."""
         if self.checkpoints is not None:
             self.checkpoints.wait()
+
+    def end_run(self, log, stop: str | None, exit_signal, iteration: int) -> None:
+        """The end of any stage's loop: publish the save in flight, then, after a stop on a preemption signal, tell
+        the launcher (``exit.json``) whether ``iteration``'s checkpoint is in the save directory; close the log."""
+        self.wait_for_checkpoint()
+        if stop == "signal":
+            log.stopped_for_requeue(iteration, exit_signal.received, self.has_saved(iteration))
+        log.close()
 
 
 class SkipGuard:
