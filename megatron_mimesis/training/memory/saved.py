@@ -4,7 +4,10 @@ Activation memory is the tensors the autograd graph holds from the forward to th
 passes through ``torch.autograd.graph.saved_tensors_hooks``' pack hook (ops' saved inputs and outputs,
 ``ctx.save_for_backward`` of custom functions), so counting there measures it without reading any module's code.
 A saved view keeps its whole base alive (the storage is what stays allocated), so storages are counted, each once
-however many saved tensors share it. Parameters are not activations (they are counted as parameters) and tensors
+however many saved tensors share it. A tensor can be saved and freed again before the forward ends (a graph branch that
+nothing downstream uses): it costs nothing at the backward pass, and its address may be reused by a later saved
+tensor, so only storages that a saved tensor still holds when the context exits are counted; without that rule the
+count depended on the allocator's history (which addresses malloc handed out again). Parameters are not activations (they are counted as parameters) and tensors
 shared by every layer (the rotary frequencies) are counted once by whoever owns them, so both can be excluded.
 
 Where the GPU runs a kernel whose saved set differs from the CPU module's (Transformer Engine, flash-linear-attention;
@@ -14,6 +17,7 @@ norm's per-row statistics), so the count stays one sum over storages.
 """
 
 import itertools
+import weakref
 
 import torch
 
@@ -35,6 +39,7 @@ class SavedTensors:
     def __init__(self, exclude=()):
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self.storages: dict[int, int] = {}
+        self._holders: dict[int, list[weakref.ref]] = {}  # storage key -> the saved tensors that hold it
         self._kept: list[torch.Tensor] = []  # declared tensors stay alive, so their addresses are not reused
 
     @property
@@ -56,6 +61,7 @@ class SavedTensors:
         key = storage.data_ptr()
         if key not in self._excluded and storage.nbytes():
             self.storages[key] = storage.nbytes()
+            self._holders.setdefault(key, []).append(weakref.ref(tensor))
         return tensor
 
     def __enter__(self) -> "SavedTensors":
@@ -67,3 +73,6 @@ class SavedTensors:
     def __exit__(self, *exc) -> None:
         SavedTensors._active.remove(self)
         self._hooks.__exit__(*exc)
+        held = {key for key, refs in self._holders.items() if any(ref() is not None for ref in refs)}
+        self.storages = {key: n for key, n in self.storages.items() if key < 0 or key in held}
+        self._holders.clear()
