@@ -101,3 +101,23 @@ def test_full_recompute_keeps_what_the_plan_counts(planner, method, layers):
     only, the others everything; the plan's model of it gives the same bytes."""
     measured, planned = planner.submit(planning.checkpointed_block, method, layers, 256).result()
     assert measured == pytest.approx(planned, abs=0.5)
+
+
+def test_saved_tensors_count_what_the_graph_still_holds_at_the_end_of_the_forward():
+    """A branch saved and freed mid-forward costs nothing at the backward pass, even when malloc hands its address
+    to the next saved tensor; a view counts its whole storage once."""
+    from megatron_mimesis.training.memory.saved import SavedTensors
+
+    x = torch.ones(1024, requires_grad=True)
+    with SavedTensors(exclude=[x]) as saved:
+        for _ in range(3):
+            branch = (x * 2).sin()  # sin saves its 4 KiB input; dropping the branch frees it
+            del branch
+        y = x * 3
+        kept = y.sin()  # holds y: 4 KiB
+        view = y[:10].cos()  # saves a view of y's storage: no new bytes
+        del y
+    assert saved.bytes == 1024 * 4
+    (kept.sum() + view.sum()).backward()
+    assert torch.allclose(x.grad, 3 * torch.cos(torch.full((1024,), 3.0)) - 3 * torch.sin(torch.full((1024,), 3.0))
+                          * (torch.arange(1024) < 10))
