@@ -1,11 +1,23 @@
-"""The tests' name for the library's gloo launcher (test bodies run on N spawned gloo ranks), and the processes
-of one run, found by an environment marker the test set (never by a process name other runs share)."""
+"""The tests' gloo launcher (test bodies run on N gloo ranks, forked from one server per test process that has
+imported what every rank imports), and the processes of one run, found by an environment marker the test set
+(never by a process name other runs share)."""
 
 import os
 
-from megatron_mimesis.gloo import run_gloo_processes as run_distributed
+from megatron_mimesis.gloo import GlooForkServer
 
 __all__ = ["processes_with_env", "run_distributed"]
+
+RANK_IMPORTS = ("torch.distributed", "megatron.core.models.gpt", "megatron_mimesis.training.train", "transformers")
+_server: GlooForkServer | None = None
+
+
+def run_distributed(fn, world_size: int, *args) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks: their return values, in rank order."""
+    global _server
+    if _server is None:
+        _server = GlooForkServer(RANK_IMPORTS)
+    return _server.run(fn, world_size, *args)
 
 
 def processes_with_env(name: str, value: str) -> dict[int, dict]:

@@ -129,10 +129,10 @@ def _load_at_layout_and_compare(rank, world_size, ckpt, hf_dir):
 
 @pytest.mark.slow
 def test_imported_checkpoint_loads_at_tp2_pp2_as_the_hf_weights(imported):
-    from megatron_mimesis.gloo import run_gloo_processes
+    from tests.multiproc import run_distributed
 
     src, mcore = imported
-    assert run_gloo_processes(_load_at_layout_and_compare, 4, str(mcore), str(src)) == [[], [], [], []]
+    assert run_distributed(_load_at_layout_and_compare, 4, str(mcore), str(src)) == [[], [], [], []]
 
 
 def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tiny_dataset, tmp_path):
