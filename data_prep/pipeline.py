@@ -379,9 +379,9 @@ def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSet
     Samples are packed within groups of ``SHARDS_PER_PACKING_GROUP`` shards, so that memory and open memory maps
     stay bounded however large the corpus; each group leaves at most a few partly filled rows.
     """
-    from megatron_mimesis.compat import hide_cpu_notices
+    from megatron_mimesis.compat import prepare_cpu_process
 
-    hide_cpu_notices()  # torch's import-time log line about CUDA, on a CPU machine
+    prepare_cpu_process()  # torch's import-time log line about CUDA, on a CPU machine
     with warnings.catch_warnings():  # megatron.core's import warns about missing GPU-only packages
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     args, stage_flags = parser.parse_known_args(argv)
 
-    from megatron_mimesis.compat import hide_cpu_notices
+    from megatron_mimesis.compat import prepare_cpu_process
 
-    hide_cpu_notices()
+    prepare_cpu_process()
     from megatron_mimesis.training.config import ConfigError, parse_config
     from megatron_mimesis.training.memory.plan import plan_training, print_plan
 

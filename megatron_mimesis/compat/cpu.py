@@ -14,12 +14,13 @@ needed for correctness on CPU. Rather than forking megatron-core, this module:
   ``torch.cuda.manual_seed`` otherwise);
 - turns streams, events and synchronisation into no-ops;
 - reports CPU float tensors under their CUDA type names to megatron's string checks;
-- turns off TorchDynamo: megatron wraps small fusions in ``torch.compile``, which on CPU buys nothing and
-  costs 10-20 s of compilation in every new process (every rank of every multi-process test);
+- turns ``torch.compile`` into the identity: megatron wraps small fusions in it, which on CPU buys nothing and
+  costs 10-20 s of compilation in every new process (every rank of every multi-process test), and the decorator
+  alone, applied as megatron-core is imported, imports TorchDynamo and Inductor: ~3 s of CPU per process;
 - hides the third-party notices that a CPU run always triggers and that ask nothing of the user (Transformer
   Engine / Apex / CUDA missing, megatron-core's and torch's notices about how megatron calls them): a CPU demo
-  printed ~70 such lines, every rank its own copy. :func:`hide_cpu_notices` hides them (entry points call it before
-  they import megatron-core, whose import already warns) and :func:`enable_cpu_compat` says so in one line, on
+  printed ~70 such lines, every rank its own copy. :func:`prepare_cpu_process` hides them and installs the identity
+  ``torch.compile`` (entry points call it before they import megatron-core, whose import already warns and compiles) and :func:`enable_cpu_compat` says so in one line, on
   rank 0.
 
 It is switched on by :func:`enable_cpu_compat` when CUDA is absent (or when forced by a test), is
@@ -181,20 +182,31 @@ CPU_NOTICE = ("cpu: megatron-core on gloo, without the GPU-only packages (Transf
 _notices_hidden = False
 
 
-def hide_cpu_notices() -> bool:
-    """On a machine without CUDA, hide ``CPU_NOTICES`` / ``CPU_LOG_NOTICES`` for the rest of the process; returns
-    whether it did (never on a GPU machine). Idempotent."""
+def prepare_cpu_process() -> bool:
+    """On a machine without CUDA, what a process needs before it imports megatron-core: ``CPU_NOTICES`` /
+    ``CPU_LOG_NOTICES`` hidden and ``torch.compile`` the identity, for the rest of the process; returns whether it
+    did (never on a GPU machine). Idempotent."""
     global _notices_hidden
     if cuda_is_usable():
         return False
     if _notices_hidden:
         return True
+    _compile_nothing()
     for prefix in CPU_NOTICES:
         warnings.filterwarnings("ignore", message=re.escape(prefix))
     for name, prefix in CPU_LOG_NOTICES.items():
         logging.getLogger(name).addFilter(lambda record, prefix=prefix: not record.getMessage().startswith(prefix))
     _notices_hidden = True
     return True
+
+
+def _compile_nothing() -> None:
+    def compile_nothing(model=None, **options):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = compile_nothing
+    if "torch._dynamo" in sys.modules:  # megatron-core was imported first: what it compiled runs eagerly
+        torch._dynamo.config.disable = True
 
 
 def cuda_is_usable() -> bool:
@@ -214,10 +226,10 @@ def enable_cpu_compat(force: bool = False, announce: bool = True) -> bool:
             return True
         if cuda_is_usable() and not force:
             return False
-        hide_cpu_notices()
+        prepare_cpu_process()
+        _compile_nothing()  # also when forced on a GPU machine
         _patch_torch_cuda()
         _patch_megatron_rng()
-        torch._dynamo.config.disable = True
         from megatron_mimesis.compat.fla_fallback import install_fla_fallback
 
         install_fla_fallback()

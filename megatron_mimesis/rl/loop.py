@@ -249,12 +249,12 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     import os
     import sys
 
-    from megatron_mimesis.compat import hide_cpu_notices
+    from megatron_mimesis.compat import prepare_cpu_process
     from megatron_mimesis.lifetime import tie_rank_to_launcher
     from megatron_mimesis.training.config import parse_config
     from megatron_mimesis.training.train import run_to_completion, start_run
 
-    hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
+    prepare_cpu_process()  # before megatron-core is imported: its import warns and applies torch.compile
     tie_rank_to_launcher()
     config, args = parse_config(argv, config_cls, prog=prog, description=description)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_mimesis.compat import hide_cpu_notices
+from megatron_mimesis.compat import prepare_cpu_process
 from megatron_mimesis.lifetime import tie_rank_to_launcher
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
 
@@ -444,7 +444,7 @@ def _max_memory_gb() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    hide_cpu_notices()  # before megatron-core is imported: its import already warns about GPU-only packages
+    prepare_cpu_process()  # before megatron-core is imported: its import warns and applies torch.compile
     tie_rank_to_launcher()
     config, args = parse_config(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -20,10 +20,21 @@ def _stderr_of(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stderr
 
 
+PREPARED = "from megatron_mimesis.compat import prepare_cpu_process; prepare_cpu_process(); "
+COMPILED = ("import sys; from megatron.core.fusions import fused_bias_swiglu as f; "
+            "print(hasattr(f.bias_swiglu, '_torchdynamo_orig_callable'), 'torch._dynamo' in sys.modules, file=sys.stderr)")
+
+
 def test_megatron_import_notices_are_hidden_on_cpu():
     assert "Transformer Engine and Apex are not installed" in _stderr_of(IMPORT_MEGATRON)  # what there is to hide
-    hidden = _stderr_of(f"from megatron_mimesis.compat import hide_cpu_notices; hide_cpu_notices(); {IMPORT_MEGATRON}")
-    assert hidden == ""
+    assert _stderr_of(PREPARED + IMPORT_MEGATRON) == ""
+
+
+def test_megatron_imports_without_torchdynamo_and_its_fusions_stay_plain_functions_on_cpu():
+    """megatron-core applies torch.compile to its fusions as it is imported; that imported TorchDynamo and Inductor
+    (~3 s of CPU in every rank) for wrappers that ran eagerly anyway."""
+    assert _stderr_of(COMPILED).splitlines()[-1] == "True True"
+    assert _stderr_of(PREPARED + COMPILED).splitlines()[-1] == "False False"
 
 
 @pytest.mark.slow

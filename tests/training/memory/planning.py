@@ -5,9 +5,9 @@ that they can be pickled into it."""
 import io
 from contextlib import redirect_stderr, redirect_stdout
 
-from megatron_mimesis.compat import hide_cpu_notices
+from megatron_mimesis.compat import prepare_cpu_process
 
-hide_cpu_notices()  # before torch and megatron-core are imported here
+prepare_cpu_process()  # before torch and megatron-core are imported here
 
 
 def _cpu():
