@@ -34,10 +34,10 @@ def _rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, *extra):
 @pytest.mark.slow
 def test_foldgrpo_raises_the_toy_reward_at_tp2(tiny_dataset, tiny_hf_checkpoint, tmp_path):
     run_trainer(2, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, "--tensor-model-parallel-size", "2",
-                             "--train-iters", "30"), module="megatron_mimesis.rl.simulator_rl", timeout=900)
+                             "--train-iters", "20"), module="megatron_mimesis.rl.simulator_rl", timeout=900)
     records = read_metrics(tmp_path / "run")
     rewards = [r["reward_mean"] for r in records]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10  # measured: 0.42 -> 0.61
+    first, last = sum(rewards[:10]) / 10, sum(rewards[10:]) / 10  # measured: 0.42 -> 0.59 (0.62 over steps 21-30)
     assert last > first + 0.1, rewards
     assert all(r["approx_kl"] < 1e-6 for r in records)  # on-policy: the engine's log-probs are the trainer's
     assert all(r["rollouts"] == 16 and r["rows"] >= 16 for r in records)  # several turns fold into several rows
