@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_mimesis.compat.cpu import CPU_NOTICE
-from tests.training.conftest import common_args, run_trainer
+from tests.training.conftest import common_args, run_under_torchrun
 
 NOISE = re.compile(r"Warning|warnings\.warn|DEPRECATED|deprecated|^[WE]\d{4} ")
 IMPORT_MEGATRON = "import megatron.core.optimizer, megatron.core.models.mimo"
@@ -39,7 +39,7 @@ def test_megatron_imports_without_torchdynamo_and_its_fusions_stay_plain_functio
 
 @pytest.mark.slow
 def test_a_two_rank_run_prints_the_cpu_notice_once_and_no_third_party_notice(tiny_dataset, tmp_path):
-    proc = run_trainer(2, *common_args(tiny_dataset, tmp_path, "--pipeline-model-parallel-size", "2",
+    proc = run_under_torchrun(2, *common_args(tiny_dataset, tmp_path, "--pipeline-model-parallel-size", "2",
                                        "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
                                        "--save", str(tmp_path / "ckpt")))
     lines = (proc.stdout + proc.stderr).splitlines()

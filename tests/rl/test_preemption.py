@@ -15,7 +15,7 @@ from megatron_mimesis.training.signals import ExitSignal
 from tests.multiproc import run_distributed
 from tests.rl.test_agent_rl import AGENT_RL, _agent_args
 from tests.rl.test_simulator_rl import _rl_args
-from tests.training.conftest import read_metrics, run_trainer
+from tests.training.conftest import read_metrics, run_trainer, run_under_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_a_signal_mid_step_saves_the_last_complete_step_and_the_requeue_redoes_t
     run_trainer(1, *_args(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "uninterrupted"), module=module)
     uninterrupted = {r["iteration"]: r for r in read_metrics(tmp_path / "uninterrupted")}
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "10"]  # no periodic save: the stop must save
-    preempted = run_trainer(1, stage, *_args(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "run", *save),
+    preempted = run_under_torchrun(1, stage, *_args(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "run", *save),
                             module="tests.rl.signal_during_rollouts", check=False)
     out = preempted.stdout + preempted.stderr
     assert ("exit signal received during iteration 2 (after its rollouts): stopping at iteration 1, the last "

@@ -12,7 +12,7 @@ import pytest
 from tests.rl.engines.test_vllm_colocated import ENGINE_OPTIONS, TRAINER_TOLERANCE
 from tests.rl.test_agent_rl import AGENT_RL, _agent_args
 from tests.rl.test_simulator_rl import _rl_args
-from tests.training.conftest import read_metrics, run_trainer
+from tests.training.conftest import read_metrics, run_under_torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,13 +36,13 @@ def _check(records, acted_share):
 
 
 def test_simulator_rl_with_vllm_at_tp2(tiny_dataset, tiny_hf_checkpoint, tmp_path):
-    run_trainer(2, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, *VLLM_AT_TP2, "--prompts-per-step", "2",
+    run_under_torchrun(2, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, *VLLM_AT_TP2, "--prompts-per-step", "2",
                              "--rollouts-per-prompt", "2"), module="megatron_mimesis.rl.simulator_rl", timeout=900)
     _check(read_metrics(tmp_path / "run"), "is_truncated_frac")
 
 
 def test_agent_rl_with_vllm_at_tp2(tiny_dataset, tiny_hf_checkpoint, tmp_path):
-    run_trainer(2, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", *VLLM_AT_TP2,
+    run_under_torchrun(2, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", *VLLM_AT_TP2,
                                 "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--rollout-correction", "mis",
                                 "--rollout-correction-level", "sequence"), module=AGENT_RL, timeout=900)
     records = read_metrics(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""Running the trainer under torchrun from tests, and reading what it logged."""
+"""Running the trainer from tests (on the tests' forked ranks, or under torchrun), and reading what it logged."""
 
 import json
 import os
@@ -13,6 +13,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_trainer(nproc: int, *args: str, check: bool = True, timeout: int = 300,
                 module: str = "megatron_mimesis.training.train") -> subprocess.CompletedProcess:
+    """``module``'s run on ``nproc`` ranks forked by the tests' launcher (``tests/multiproc.py``: the entry point's
+    ``main`` as torchrun starts it, without paying every rank's imports): for the tests of what a run computes."""
+    from tests.multiproc import run_main
+
+    return run_main(nproc, module, ["--no-progress", *args], check=check, timeout=timeout,
+                    env={"OMP_NUM_THREADS": "1"})
+
+
+def run_under_torchrun(nproc: int, *args: str, check: bool = True, timeout: int = 300,
+                       module: str = "megatron_mimesis.training.train") -> subprocess.CompletedProcess:
+    """The same run through torchrun, as a user starts it: for the tests of the launch path (its signals, its
+    console output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, "--no-progress", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -21,7 +21,7 @@ import torch
 from megatron_mimesis.gpu_check.vllm import VLLM_ROWS, VLLM_TOLERANCE, max_abs_diff
 from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS
 from tests.multiproc import run_distributed
-from tests.training.conftest import REPO, read_metrics, run_trainer
+from tests.training.conftest import REPO, read_metrics, run_under_torchrun
 from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -220,7 +220,7 @@ def test_a_sync_that_leaves_parameters_unloaded_or_is_rejected_fails_naming_them
 
 def test_agent_rl_step_with_vllm_serve_as_user_model_and_coach(served, tiny_dataset, tmp_path):
     endpoint = {"base_url": served.base_url, "model": "tiny", "max_tokens": 8}
-    run_trainer(1, "--tokenizer", str(tiny_dataset / "tokenizer"), "--env", "toy", "--user-model", "openai",
+    run_under_torchrun(1, "--tokenizer", str(tiny_dataset / "tokenizer"), "--env", "toy", "--user-model", "openai",
                 "--user-model-options", json.dumps(endpoint), "--coach", "openai", "--coach-options",
                 json.dumps(endpoint), "--no-thinking", "--model-overrides", json.dumps({"vocab_size": 512}),
                 "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--max-agent-turns", "2",

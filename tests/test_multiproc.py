@@ -1,6 +1,7 @@
-"""The fork server that runs the tests' gloo worlds: ranks are real gloo ranks with the caller's environment, a
-rank that fails mid-run ends its world with its traceback (the peer waiting for it in a collective is killed),
-and a caller that is hard-killed or signalled takes the server and every rank with it."""
+"""The tests' launcher (``tests/multiproc.py``): its ranks are real gloo ranks with the caller's environment, an
+entry point runs on them as under torchrun, a rank that fails mid-run ends its world with its error (the peer
+waiting for it in a collective is killed), a world past its time is killed, and a test process that is hard-killed
+or signalled takes the server and every rank with it."""
 
 import os
 import signal
@@ -11,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.multiproc import processes_with_env, run_distributed
+from tests.multiproc import processes_with_env, run_distributed, run_main
 from tests.training.conftest import REPO
 
 MARKER = "MIMESIS_TEST_GLOO_WORLD"
@@ -44,6 +45,27 @@ def _ranks_wait_forever(rank, world_size):
     dist.barrier()
 
 
+def main(argv):
+    """An entry point as torchrun starts one: its own process group from the environment; ``argv`` says how it
+    ends: ``sum`` prints the all-reduced ranks, ``fail`` exits 3 on rank 1 while rank 0 waits for it, ``hang``
+    waits forever."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"rank {rank} of {os.environ['WORLD_SIZE']} (local {os.environ['LOCAL_RANK']})", file=sys.stderr)
+    if argv == ["fail"] and rank == 1:
+        return 3
+    if argv == ["hang"]:
+        time.sleep(3600)
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    print(f"sum {value.item()}")
+    dist.destroy_process_group()
+    return 0
+
+
 def test_ranks_reduce_with_the_callers_environment_and_working_directory(monkeypatch, tmp_path):
     monkeypatch.setenv(MARKER, "set-after-the-server-started")
     monkeypatch.chdir(tmp_path)
@@ -59,12 +81,25 @@ def test_a_rank_that_fails_mid_run_ends_its_world_and_the_server_runs_the_next()
     assert [r[0] for r in run_distributed(_sum_of_ranks_and_marker, 2)] == [3.0, 3.0]
 
 
+def test_an_entry_point_runs_as_under_torchrun_and_its_failure_or_timeout_is_its_status():
+    done = run_main(3, "tests.test_multiproc", ["sum"])
+    assert done.stdout == "sum 6.0\n" * 3
+    assert done.stderr == "".join(f"rank {r} of 3 (local {r})\n" for r in range(3))
+    failed = run_main(2, "tests.test_multiproc", ["fail"], check=False)
+    assert failed.returncode == 3 and failed.stdout == ""  # rank 0, waiting in its all-reduce, was killed
+    started = time.monotonic()
+    hung = run_main(2, "tests.test_multiproc", ["hang"], check=False, timeout=3)
+    assert hung.returncode == 124 and time.monotonic() - started < 30
+    with pytest.raises(AssertionError, match=r"tests.test_multiproc failed \(3\)"):
+        run_main(2, "tests.test_multiproc", ["fail"])
+
+
 CALLER = f"""
 import sys
 sys.path.insert(0, {str(REPO)!r})
-from megatron_mimesis.gloo import GlooForkServer
-from tests.test_gloo import _ranks_wait_forever
-GlooForkServer(("torch.distributed",)).run(_ranks_wait_forever, 2)
+from tests.multiproc import run_distributed
+from tests.test_multiproc import _ranks_wait_forever
+run_distributed(_ranks_wait_forever, 2)
 """
 
 
@@ -88,4 +123,3 @@ def test_a_caller_that_dies_takes_the_server_and_its_ranks(how):
         caller.kill()
         for pid in processes_with_env(MARKER, marker):
             os.kill(pid, signal.SIGKILL)
-
