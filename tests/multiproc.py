@@ -16,7 +16,9 @@ globals, so a fork is as fresh as a spawned rank. Two kinds of world:
 The server is a spawned child tied to its test process, and each fork is tied to the server, so a test process that
 is killed takes the server and any world in flight with it. A world gets the caller's environment and working
 directory as they are when it starts. A rank that fails ends its world, as torchrun ends a job: the others, which may
-be waiting for it in a collective, are killed. The server is CPU-only: megatron-core's import calls
+be waiting for it in a collective, are killed. A fork ends with ``os._exit``, so no C++ destructor runs: worlds that
+run vLLM are spawned or run under torchrun instead, since vLLM's CPU backend unlinks its shared memory (one name in
+every world) only at a normal exit. The server is CPU-only: megatron-core's import calls
 ``torch.cuda.is_available()``, after which a forked child cannot use CUDA.
 """
 

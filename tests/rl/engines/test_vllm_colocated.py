@@ -18,9 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from megatron_mimesis.gloo import run_gloo_processes
 from megatron_mimesis.gpu_check.vllm import VLLM_ROWS, VLLM_TOLERANCE, max_abs_diff
 from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS
-from tests.multiproc import run_distributed
 from tests.training.conftest import REPO, read_metrics, run_under_torchrun
 from tests.vllm_server import VLLMServer
 
@@ -126,7 +126,9 @@ def _colocated(rank, world_size, config_kwargs, train):
 def _run(tp, peaked_checkpoint, tiny_dataset, work, train):
     work.mkdir(parents=True)
     kwargs = _config(tp, peaked_checkpoint, tiny_dataset / "tokenizer", work)
-    return run_distributed(_colocated, tp, kwargs, train)
+    # spawned, not forked by the tests' launcher: vLLM's CPU backend unlinks its TP shared memory ("...-cpushm",
+    # the same name in every world) only when its process exits normally, which a fork (os._exit) does not
+    return run_gloo_processes(_colocated, tp, kwargs, train)
 
 
 @pytest.fixture(scope="module")
