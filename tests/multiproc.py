@@ -51,7 +51,7 @@ def _pool() -> concurrent.futures.ProcessPoolExecutor:
     if _server is None:
         _server = concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_serve,
-            initargs=(os.getpid(), RANK_IMPORTS))
+            initargs=(os.getpid(), multiprocessing.get_start_method(), RANK_IMPORTS))
     return _server
 
 
@@ -75,8 +75,11 @@ def run_main(nproc: int, module: str, argv: list[str], *, check: bool = True, ti
     return proc
 
 
-def _serve(caller_pid: int, imports: tuple[str, ...]) -> None:
+def _serve(caller_pid: int, start_method: str, imports: tuple[str, ...]) -> None:
     die_with_parent(caller_pid)
+    # a spawned process defaults to spawning its own children; a rank's (DataLoader workers, checkpoint writers)
+    # start as they do under torchrun, by the caller's default (fork on Linux), not re-importing everything each
+    multiprocessing.set_start_method(start_method, force=True)
     torch.set_num_threads(1)  # no OpenMP pool exists in the server when it forks (a fork cannot inherit one)
     from megatron_mimesis.compat import prepare_cpu_process
 
@@ -155,6 +158,10 @@ def _forked_rank(rank: int, environ: dict, cwd: str, body) -> None:
     workers down), other child processes terminated if daemonic and joined."""
     status = 1
     try:
+        # first, on this thread alone: torch's intra-op pool, made in the server, is replaced at its first use after
+        # a fork, and that replacement races when two threads make the first use (autograd's worker thread did:
+        # "pool INTERNAL ASSERT FAILED ... Invalid thread pool!", abort)
+        torch.set_num_threads(1)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(environ)

@@ -169,6 +169,7 @@ CPU_NOTICES = (
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     # megatron-core's sequence-parallel hint for GPUs, which the launchers follow there (launch/common.sh)
     "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
 )
 # logger name -> message prefix of the logged notices of the same kind
 CPU_LOG_NOTICES = {
