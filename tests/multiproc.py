@@ -80,7 +80,7 @@ def _serve(caller_pid: int, start_method: str, imports: tuple[str, ...]) -> None
     # a spawned process defaults to spawning its own children; a rank's (DataLoader workers, checkpoint writers)
     # start as they do under torchrun, by the caller's default (fork on Linux), not re-importing everything each
     multiprocessing.set_start_method(start_method, force=True)
-    torch.set_num_threads(1)  # no OpenMP pool exists in the server when it forks (a fork cannot inherit one)
+    torch.set_num_threads(1)  # what every fork starts with, as torchrun's OMP_NUM_THREADS=1 gives a rank
     from megatron_mimesis.compat import prepare_cpu_process
 
     prepare_cpu_process()  # as the entry points do, before megatron-core is imported

@@ -20,8 +20,8 @@ needed for correctness on CPU. Rather than forking megatron-core, this module:
 - hides the third-party notices that a CPU run always triggers and that ask nothing of the user (Transformer
   Engine / Apex / CUDA missing, megatron-core's and torch's notices about how megatron calls them): a CPU demo
   printed ~70 such lines, every rank its own copy. :func:`prepare_cpu_process` hides them and installs the identity
-  ``torch.compile`` (entry points call it before they import megatron-core, whose import already warns and compiles) and :func:`enable_cpu_compat` says so in one line, on
-  rank 0.
+  ``torch.compile`` (entry points call it before they import megatron-core, whose import already warns and
+  compiles), and :func:`enable_cpu_compat` says so in one line, on rank 0.
 
 It is switched on by :func:`enable_cpu_compat` when CUDA is absent (or when forced by a test), is
 idempotent, and never runs on a GPU machine. The substitutes for the GPU-only Gated DeltaNet kernels
@@ -228,7 +228,7 @@ def enable_cpu_compat(force: bool = False, announce: bool = True) -> bool:
         if cuda_is_usable() and not force:
             return False
         prepare_cpu_process()
-        _compile_nothing()  # also when forced on a GPU machine
+        _compile_nothing()  # again: forced on a GPU machine, the call above did nothing
         _patch_torch_cuda()
         _patch_megatron_rng()
         from megatron_mimesis.compat.fla_fallback import install_fla_fallback

@@ -22,7 +22,8 @@ def _stderr_of(code: str) -> str:
 
 PREPARED = "from megatron_mimesis.compat import prepare_cpu_process; prepare_cpu_process(); "
 COMPILED = ("import sys; from megatron.core.fusions import fused_bias_swiglu as f; "
-            "print(hasattr(f.bias_swiglu, '_torchdynamo_orig_callable'), 'torch._dynamo' in sys.modules, file=sys.stderr)")
+            "print(hasattr(f.bias_swiglu, '_torchdynamo_orig_callable'), 'torch._dynamo' in sys.modules, "
+            "file=sys.stderr)")
 
 
 def test_megatron_import_notices_are_hidden_on_cpu():
@@ -40,8 +41,8 @@ def test_megatron_imports_without_torchdynamo_and_its_fusions_stay_plain_functio
 @pytest.mark.slow
 def test_a_two_rank_run_prints_the_cpu_notice_once_and_no_third_party_notice(tiny_dataset, tmp_path):
     proc = run_under_torchrun(2, *common_args(tiny_dataset, tmp_path, "--pipeline-model-parallel-size", "2",
-                                       "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
-                                       "--save", str(tmp_path / "ckpt")))
+                                              "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+                                              "--save", str(tmp_path / "ckpt")))
     lines = (proc.stdout + proc.stderr).splitlines()
     assert lines.count(CPU_NOTICE) == 1
     assert [line for line in lines if NOISE.search(line)] == []

@@ -42,7 +42,7 @@ def test_a_signal_mid_step_saves_the_last_complete_step_and_the_requeue_redoes_t
     uninterrupted = {r["iteration"]: r for r in read_metrics(tmp_path / "uninterrupted")}
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "10"]  # no periodic save: the stop must save
     preempted = run_under_torchrun(1, stage, *_args(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "run", *save),
-                            module="tests.rl.signal_during_rollouts", check=False)
+                                   module="tests.rl.signal_during_rollouts", check=False)
     out = preempted.stdout + preempted.stderr
     assert ("exit signal received during iteration 2 (after its rollouts): stopping at iteration 1, the last "
             "complete step, saving it, for requeue") in out, out[-4000:]

@@ -36,15 +36,16 @@ def _check(records, acted_share):
 
 
 def test_simulator_rl_with_vllm_at_tp2(tiny_dataset, tiny_hf_checkpoint, tmp_path):
-    run_under_torchrun(2, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, *VLLM_AT_TP2, "--prompts-per-step", "2",
-                             "--rollouts-per-prompt", "2"), module="megatron_mimesis.rl.simulator_rl", timeout=900)
+    run_under_torchrun(2, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, *VLLM_AT_TP2, "--prompts-per-step",
+                                    "2", "--rollouts-per-prompt", "2"),
+                       module="megatron_mimesis.rl.simulator_rl", timeout=900)
     _check(read_metrics(tmp_path / "run"), "is_truncated_frac")
 
 
 def test_agent_rl_with_vllm_at_tp2(tiny_dataset, tiny_hf_checkpoint, tmp_path):
     run_under_torchrun(2, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", *VLLM_AT_TP2,
-                                "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--rollout-correction", "mis",
-                                "--rollout-correction-level", "sequence"), module=AGENT_RL, timeout=900)
+                                       "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--rollout-correction",
+                                       "mis", "--rollout-correction-level", "sequence"), module=AGENT_RL, timeout=900)
     records = read_metrics(tmp_path / "run")
     _check(records, "is_masked_frac")
     assert all(r["coach_failures"] == 0 and r["csd_turns"] > 0 for r in records)

@@ -4,11 +4,12 @@ Activation memory is the tensors the autograd graph holds from the forward to th
 passes through ``torch.autograd.graph.saved_tensors_hooks``' pack hook (ops' saved inputs and outputs,
 ``ctx.save_for_backward`` of custom functions), so counting there measures it without reading any module's code.
 A saved view keeps its whole base alive (the storage is what stays allocated), so storages are counted, each once
-however many saved tensors share it. A tensor can be saved and freed again before the forward ends (a graph branch that
-nothing downstream uses): it costs nothing at the backward pass, and its address may be reused by a later saved
+however many saved tensors share it. A tensor can be saved and freed again before the forward ends (a graph branch
+that nothing downstream uses): it costs nothing at the backward pass, and its address may be reused by a later saved
 tensor, so only storages that a saved tensor still holds when the context exits are counted; without that rule the
-count depended on the allocator's history (which addresses malloc handed out again). Parameters are not activations (they are counted as parameters) and tensors
-shared by every layer (the rotary frequencies) are counted once by whoever owns them, so both can be excluded.
+count depended on the allocator's history (which addresses malloc handed out again). Parameters are not activations
+(they are counted as parameters) and tensors shared by every layer (the rotary frequencies) are counted once by
+whoever owns them, so both can be excluded.
 
 Where the GPU runs a kernel whose saved set differs from the CPU module's (Transformer Engine, flash-linear-attention;
 ``gpu_kernels.py``), the stand-in returns an output of the kernel's shape and declares the tensors the kernel saves with

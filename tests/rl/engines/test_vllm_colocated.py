@@ -223,11 +223,11 @@ def test_a_sync_that_leaves_parameters_unloaded_or_is_rejected_fails_naming_them
 def test_agent_rl_step_with_vllm_serve_as_user_model_and_coach(served, tiny_dataset, tmp_path):
     endpoint = {"base_url": served.base_url, "model": "tiny", "max_tokens": 8}
     run_under_torchrun(1, "--tokenizer", str(tiny_dataset / "tokenizer"), "--env", "toy", "--user-model", "openai",
-                "--user-model-options", json.dumps(endpoint), "--coach", "openai", "--coach-options",
-                json.dumps(endpoint), "--no-thinking", "--model-overrides", json.dumps({"vocab_size": 512}),
-                "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--max-agent-turns", "2",
-                "--max-new-tokens", "6", "--train-iters", "1", "--log-dir", str(tmp_path / "run"),
-                module="megatron_mimesis.rl.agent_rl", timeout=600)
+                       "--user-model-options", json.dumps(endpoint), "--coach", "openai", "--coach-options",
+                       json.dumps(endpoint), "--no-thinking", "--model-overrides", json.dumps({"vocab_size": 512}),
+                       "--tasks-per-step", "1", "--rollouts-per-prompt", "2", "--max-agent-turns", "2",
+                       "--max-new-tokens", "6", "--train-iters", "1", "--log-dir", str(tmp_path / "run"),
+                       module="megatron_mimesis.rl.agent_rl", timeout=600)
     (record,) = read_metrics(tmp_path / "run")
     assert record["rollouts"] == 2 and not any(k.startswith("termination/error") for k in record), record
     assert record["coach_failures"] == 0 and record["csd_turns"] > 0, record
