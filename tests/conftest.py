@@ -40,12 +40,11 @@ def tiny_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint(tmp_path_factory):
-    from transformers import Qwen3_5ForCausalLM
-
     from megatron_mimesis.models.presets import get_preset
 
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(get_preset("tiny").replace(vocab_size=VOCAB).to_hf_config())
+    preset = get_preset("tiny").replace(vocab_size=VOCAB)
+    model = preset.family.hf_model(preset)
     out = tmp_path_factory.mktemp("hf") / "tiny"
     model.save_pretrained(out)
     return out

@@ -29,11 +29,10 @@ DEMO_VOCAB = 8192  # launch/configs/demo_midtrain.yaml
 
 
 def _demo_state() -> dict[str, torch.Tensor]:
-    from transformers import Qwen3_5ForCausalLM
-
     from megatron_mimesis.models.presets import get_preset
 
-    model = Qwen3_5ForCausalLM(get_preset("tiny").replace(vocab_size=DEMO_VOCAB).to_hf_config())
+    preset = get_preset("tiny").replace(vocab_size=DEMO_VOCAB)
+    model = preset.family.hf_model(preset)
     state = {}
     for name, p in model.named_parameters():
         state[name] = p.detach().float()

@@ -1,5 +1,5 @@
 """Conversion benchmark: wall time and peak RSS of import (HF -> dist checkpoint) and export (-> HF) on synthetic
-Qwen3.5 checkpoints of one preset's widths and vocabulary at two or more depths, and the round trip check.
+checkpoints of one preset's widths and vocabulary at two or more depths, and the round trip check.
 
     python tools/bench_convert.py [--preset 4b] [--layers 4 12] [--dtype bf16] [--workdir DIR] [--output DIR]
     python tools/bench_convert.py --preset 9b --layers 32 --workdir /scratch/bench   # the paper's model, ~50 GiB disk
@@ -34,12 +34,11 @@ HF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float3
 
 
 def write_synthetic_hf(directory: Path, preset_name: str, layers: int, dtype: str) -> int:
-    from transformers import Qwen3_5ForCausalLM
-
     preset = get_preset(preset_name).replace(num_layers=layers)
-    config = preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype=str(HF_DTYPES[dtype]).split(".")[1])
+    family = preset.family
+    config = family.hf_config(preset, architectures=[family.hf_architecture], dtype=str(HF_DTYPES[dtype]).split(".")[1])
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Qwen3_5ForCausalLM(config).state_dict().items()}
+        shapes = {k: v.shape for k, v in family.hf_model_class()(config).state_dict().items()}
     if preset.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     directory.mkdir(parents=True)

@@ -60,7 +60,7 @@ def _trainer_and_engine(hf_dir, tokenizer, state_dtype: str, max_model_len: int)
     from megatron_mimesis.gpu_check.vllm import VLLM_LOGIT_SCALE
     from megatron_mimesis.gpu_check.world import init_one_rank_megatron
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
-    from megatron_mimesis.models.presets import Qwen35Preset, get_preset
+    from megatron_mimesis.models.presets import get_preset, preset_from_hf_dir
     from megatron_mimesis.models.provider import ModelProvider
     from megatron_mimesis.rl.engines.vllm import CPU_TINY_OPTIONS, VLLMEngine
     from megatron_mimesis.rl.engines.weight_sync import sync_weights
@@ -70,9 +70,7 @@ def _trainer_and_engine(hf_dir, tokenizer, state_dtype: str, max_model_len: int)
     if hf_dir is None:
         preset = get_preset("tiny").replace(vocab_size=len(tokenizer))
     else:
-        from transformers import AutoConfig
-
-        preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir), name="hf")
+        preset = preset_from_hf_dir(hf_dir, name="hf")
     provider = ModelProvider(preset, transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16))
     model = provider().to(device)
     if hf_dir is None:

@@ -1,11 +1,11 @@
-"""Megatron dist checkpoints <-> Hugging Face Qwen3.5 directories, through the one parameter mapping.
+"""Megatron dist checkpoints <-> Hugging Face directories, through the checkpoint family's one parameter mapping.
 
 Export streams: one megatron tensor is read from the dist checkpoint (any TP/PP that wrote it, no process
 group), turned into its HF tensors and appended to a size-bounded safetensors shard, so peak memory is
-about one layer plus one output shard. With the original ``Qwen3_5ForConditionalGeneration`` directory as
-reference, the output keeps its architecture, config and key names (``model.language_model.*``) and the
-vision tower and MTP weights are copied unchanged; without it, the output is a text-only
-``Qwen3_5ForCausalLM``. Either way the export is a servable user simulator (:mod:`.serving`: its chat template,
+about one layer plus one output shard. With the original directory as reference, the output keeps its
+architecture, config and key names (a multimodal ``Qwen3_5ForConditionalGeneration``'s ``model.language_model.*``)
+and whatever else it holds (a vision tower, MTP weights) is copied unchanged; without it, the output is the
+family's text-only causal LM (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``). Either way the export is a servable user simulator (:mod:`.serving`: its chat template,
 generation config and token ids). Import streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor
 is read, mapped and written into a weights-only dist checkpoint that the trainer loads at any layout with
 ``--load DIR --finetune``. Both write into a temporary directory renamed at the end.
@@ -25,9 +25,9 @@ from megatron_mimesis.checkpoint.hf_import import import_worker
 from megatron_mimesis.checkpoint.integrity import record_files
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, DistCheckpointReader
 from megatron_mimesis.checkpoint.serving import make_servable, special_token_ids
+from megatron_mimesis.models.family import Preset
 from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
-from megatron_mimesis.models.mapping import qwen35_mapping
-from megatron_mimesis.models.presets import Qwen35Preset
+from megatron_mimesis.models.presets import architecture_differences, preset_from_hf_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "tokenizer.model")
@@ -51,22 +51,19 @@ def _publish(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def _reference_config(reference: Path, preset: Qwen35Preset) -> dict:
+def _reference_config(reference: Path, preset: Preset) -> dict:
     path = reference / "config.json"
     if not path.exists():
-        raise ConversionError(f"{path}: missing; --hf-reference must be an HF Qwen3.5 checkpoint directory")
+        raise ConversionError(f"{path}: missing; --hf-reference must be an HF checkpoint directory")
     config = json.loads(path.read_text())
-    if config.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
-        raise ConversionError(f"{path}: model_type {config.get('model_type')!r} is not a Qwen3.5 architecture")
-    from transformers import AutoConfig
-
-    ref = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(reference))
-    fields = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-              "num_query_groups", "head_dim", "linear_num_key_heads", "linear_num_value_heads")
-    diff = [f"{f}: reference {getattr(ref, f)} vs checkpoint {getattr(preset, f)}"
-            for f in fields if getattr(ref, f) != getattr(preset, f)]
+    try:
+        ref = preset_from_hf_dir(reference)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
+    diff = architecture_differences(ref, preset)
     if diff:
-        raise ConversionError(f"{path}: does not match the checkpoint's model ({'; '.join(diff)})")
+        raise ConversionError(f"{path}: does not match the checkpoint's model (reference vs checkpoint: "
+                              f"{'; '.join(diff)})")
     return config
 
 
@@ -87,7 +84,8 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
     preset, out = reader.preset, Path(out)
     reference = Path(hf_reference) if hf_reference else None
     ref_config = _reference_config(reference, preset) if reference else None
-    table = qwen35_mapping(preset, reader.padded_vocab_size)
+    ref_state = LazyHFState(reference) if reference else None
+    table = preset.family.mapping(preset, reader.padded_vocab_size)
     missing = [m.megatron for m in table if not reader.has(m.megatron)]
     if missing:
         raise ConversionError(f"{reader.dir}: checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
@@ -97,11 +95,10 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
         cast = DTYPES[dtype]
         for entry in tqdm(table, desc="export", unit="tensor", disable=not progress):
             for name, tensor in entry.to_hf([reader.tensor(entry.megatron)]).items():
-                if reference is not None and name.startswith(TEXT_PREFIX):
+                if ref_state is not None and ref_state.multimodal and name.startswith(TEXT_PREFIX):
                     name = CONDITIONAL_TEXT_PREFIX + name[len(TEXT_PREFIX):]
                 writer.add(name, tensor.to(cast))
-        if reference is not None:
-            ref_state = LazyHFState(reference)
+        if ref_state is not None:
             for name in tqdm(sorted(ref_state.other), desc="copy vision/MTP", disable=not progress):
                 writer.add(name, ref_state.read_other(name))
         writer.close()
@@ -128,13 +125,14 @@ def _copy_tokenizer(source: Path, dest: Path) -> None:
         shutil.copy2(source / name, dest / name)
 
 
-def _write_model_config(out: Path, preset: Qwen35Preset, ref_config: dict | None, dtype: str,
+def _write_model_config(out: Path, preset: Preset, ref_config: dict | None, dtype: str,
                         special: dict[str, int]) -> None:
-    """The reference's config.json as it is, else the preset's with the token ids a released Qwen3.5 carries."""
+    """The reference's config.json as it is, else the preset's text-only causal LM with the tokenizer's ids."""
     if ref_config is not None:
         (out / "config.json").write_text(json.dumps(ref_config, indent=2))
         return
-    preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype=str(DTYPES[dtype]).removeprefix("torch."),
+    family = preset.family
+    family.hf_config(preset, architectures=[family.hf_architecture], dtype=str(DTYPES[dtype]).removeprefix("torch."),
                         bos_token_id=special[ENDOFTEXT], eos_token_id=special[ENDOFTEXT],
                         pad_token_id=None).save_pretrained(out)
 
@@ -143,14 +141,15 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, dtype: s
                    overwrite: bool = False, progress: bool = True) -> Path:
     """HF directory -> ``out/iter_0000000`` (weights only) + ``out/latest``; loadable at any TP/PP whose vocabulary
     padding is that of ``tp`` (see :mod:`megatron_mimesis.checkpoint.hf_import`)."""
-    from transformers import AutoConfig
-
     from megatron_mimesis.gloo import run_gloo_processes
 
     hf_dir, out = Path(hf_dir), Path(out)
     state = LazyHFState(hf_dir)  # fail early, naming the directory, when there are no weights
-    preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir))
-    missing = [n for m in qwen35_mapping(preset, preset.vocab_size) for n in m.hf_names() if n not in state]
+    try:
+        preset = preset_from_hf_dir(hf_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConversionError(str(exc)) from None
+    missing = [n for m in preset.family.mapping(preset, preset.vocab_size) for n in m.hf_names() if n not in state]
     if missing:
         raise ConversionError(f"{hf_dir}: lacks {len(missing)} tensors of the text model, e.g. {missing[:3]}")
     tmp = _fresh_output(out, overwrite)

@@ -1,4 +1,4 @@
-"""HF Qwen3.5 weights -> a weights-only megatron dist checkpoint, one tensor at a time.
+"""HF weights -> a weights-only megatron dist checkpoint, one tensor at a time.
 
 Import used to build the whole megatron model, copy the HF weights into it and save it: memory grew with the
 model (about 1.1 GiB of RSS per GiB of checkpoint). Here the model is built on the meta device, only for what
@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from megatron_mimesis.checkpoint.reader import RUN_CONFIG, fused_part_names
-from megatron_mimesis.models.mapping import PerRankConcat, qwen35_mapping
-from megatron_mimesis.models.presets import Qwen35Preset
+from megatron_mimesis.models.family import Preset
+from megatron_mimesis.models.mapping import PerRankConcat
+from megatron_mimesis.models.presets import preset_from_hf_dir, preset_record
 
 
 class HFMegatronTensors:
@@ -30,9 +31,10 @@ class HFMegatronTensors:
     computed once for all its parts: the last mapping entry's tensor is kept until another entry is asked for.
     """
 
-    def __init__(self, hf_state: Mapping[str, torch.Tensor], preset: Qwen35Preset, padded_vocab: int):
+    def __init__(self, hf_state: Mapping[str, torch.Tensor], preset: Preset, padded_vocab: int):
         self._hf = hf_state
-        self._entries = {m.megatron: m for m in qwen35_mapping(preset, padded_vocab)}
+        self._title = preset.family.title
+        self._entries = {m.megatron: m for m in preset.family.mapping(preset, padded_vocab)}
         self._last: tuple[str, torch.Tensor] | None = None
 
     def _megatron(self, name: str) -> torch.Tensor:
@@ -48,7 +50,7 @@ class HFMegatronTensors:
         parts = fused_part_names(name)
         entry = self._entries.get(name)
         if parts is None or key not in parts or not isinstance(entry, PerRankConcat) or len(entry.parts) != len(parts):
-            raise KeyError(f"{key}: the model has this tensor, the Qwen3.5 parameter mapping has no source for it")
+            raise KeyError(f"{key}: the model has this tensor, the {self._title} parameter mapping has no source for it")
         rows = [count for _, _, count in entry.parts]
         return torch.split(self._megatron(name), rows, dim=0)[parts.index(key)]
 
@@ -59,7 +61,6 @@ def import_worker(rank, world_size, hf_dir: str, out_dir: str, tp: int, dtype: t
 
     enable_cpu_compat()  # before megatron-core is imported, whose import warns about the GPU-only packages
     from megatron.core import parallel_state
-    from transformers import AutoConfig
 
     from megatron_mimesis.checkpoint.writer import dist_save_streamed
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
@@ -67,7 +68,7 @@ def import_worker(rank, world_size, hf_dir: str, out_dir: str, tp: int, dtype: t
     from megatron_mimesis.models.provider import ModelProvider
 
     parallel_state.initialize_model_parallel(1, 1)
-    preset = Qwen35Preset.from_hf_config(AutoConfig.from_pretrained(hf_dir), name=Path(hf_dir).name)
+    preset = preset_from_hf_dir(hf_dir)
     config = transformer_config(preset, ParallelConfig(), params_dtype=dtype, perform_initialization=False,
                                 init_model_with_meta_device=True)
     provider = ModelProvider(preset, config, make_vocab_size_divisible_by=tp * ModelProvider.make_vocab_size_divisible_by)
@@ -75,7 +76,7 @@ def import_worker(rank, world_size, hf_dir: str, out_dir: str, tp: int, dtype: t
         model = provider()
     source = HFMegatronTensors(LazyHFState(hf_dir), preset, provider.padded_vocab_size)
     dist_save_streamed({"model": model.sharded_state_dict()}, out_dir, source, progress)
-    run_config = {"preset": vars(preset), "padded_vocab_size": provider.padded_vocab_size, "model_only": True,
+    run_config = {"preset": preset_record(preset), "padded_vocab_size": provider.padded_vocab_size, "model_only": True,
                   "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1,
                              "data_parallel_size": 1},
                   "source": str(hf_dir)}

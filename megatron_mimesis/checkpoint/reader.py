@@ -26,7 +26,7 @@ from megatron_mimesis.checkpoint.integrity import (
     check_checkpoint,
     install_restricted_reader,
 )
-from megatron_mimesis.models.presets import Qwen35Preset
+from megatron_mimesis.models.presets import preset_from_record
 
 install_restricted_reader()  # every reader of dist checkpoints imports this module: none reads a raw pickle
 
@@ -128,7 +128,10 @@ class DistCheckpointReader:
         if not config_path.exists():
             raise CheckpointError(f"{config_path}: missing (the model config is read from the checkpoint)")
         self.run_config = json.loads(config_path.read_text())
-        self.preset = Qwen35Preset(**self.run_config["preset"])
+        try:
+            self.preset = preset_from_record(self.run_config["preset"], str(config_path))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         self.padded_vocab_size = int(self.run_config["padded_vocab_size"])
         self.iteration = checkpoint_iteration(self.dir)
         metadata = FileSystemReader(str(self.dir)).read_metadata()
@@ -160,3 +163,23 @@ class DistCheckpointReader:
         load(state, storage_reader=FileSystemReader(str(self.dir)),
              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         return state
+
+
+def saved_model(path: str | Path):
+    """The model (a preset) and the tokenizer directory (None without one) of an HF checkpoint directory or of a dist
+    checkpoint (a save root or one ``iter_N``), read from its files only."""
+    from megatron_mimesis.models.presets import preset_from_hf_dir
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return preset_from_hf_dir(path), path if (path / "tokenizer.json").is_file() else None
+    directory = resolve_checkpoint_dir(path)
+    config_path = directory / RUN_CONFIG
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing (the model config is read from the checkpoint)")
+    try:
+        preset = preset_from_record(json.loads(config_path.read_text())["preset"], str(config_path))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    tokenizer = directory / TOKENIZER_SUBDIR
+    return preset, tokenizer if (tokenizer / "tokenizer.json").is_file() else None

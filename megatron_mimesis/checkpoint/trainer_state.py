@@ -254,20 +254,25 @@ def _complete_param_gather(model_chunks) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-def _saved_run_config(path: Path, preset: dict) -> dict:
-    """The checkpoint's run_config.json, refusing a checkpoint of another model with the differing fields named."""
+def _saved_run_config(path: Path, preset) -> dict:
+    """The checkpoint's run_config.json, refusing a checkpoint of another model than ``preset`` with the differing
+    fields named."""
+    from megatron_mimesis.models.presets import architecture_differences, preset_from_record
+
     config_path = path / RUN_CONFIG
     if not config_path.exists():
         raise CheckpointError(f"{config_path}: missing; not a checkpoint written by this project")
     saved = json.loads(config_path.read_text())
-    diff = [f"{k}: checkpoint {saved['preset'].get(k)!r} vs config {v!r}" for k, v in preset.items()
-            if k not in ("name", "max_position_embeddings") and saved["preset"].get(k) != v]
+    try:
+        diff = architecture_differences(preset_from_record(saved["preset"], str(config_path)), preset)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if diff:
-        raise CheckpointError(f"{path}: checkpoint is of another model ({'; '.join(diff)})")
+        raise CheckpointError(f"{path}: checkpoint is of another model (checkpoint vs config: {'; '.join(diff)})")
     return saved
 
 
-def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset: dict, *,
+def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset, *,
                     restore_rng: bool = True) -> dict:
     """Restore model, optimizer, scheduler (and RNG, at the same layout) from ``root/latest``; returns ``progress``.
 
@@ -294,7 +299,7 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset
     return loaded["progress"]
 
 
-def load_model_weights(root: str | Path, model_chunks, preset: dict) -> int:
+def load_model_weights(root: str | Path, model_chunks, preset) -> int:
     """Only the weights of ``root/latest`` (Megatron's --finetune: a new stage starts at iteration 0 with a fresh
     optimizer, e.g. SFT from the mid-training checkpoint, at any layout); returns the source iteration."""
     path = _resumable(root)

@@ -93,36 +93,37 @@ def _fla_parity(rec: StageRecorder) -> None:
 
 
 def _te_vs_local_parity(rec: StageRecorder) -> None:
-    """The tiny preset built with the Transformer Engine spec and with the local spec, on the same (HF) weights."""
+    """Each family's tiny preset built with the Transformer Engine spec and with the local spec, on the same (HF)
+    weights."""
     import torch
     import torch.nn.functional as F
-    from transformers import Qwen3_5ForCausalLM
 
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
     from megatron_mimesis.models.hf_weights import gather_hf_tensors, load_hf_weights
-    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.models.presets import TINY_PRESETS, get_preset
     from megatron_mimesis.models.provider import ModelProvider
 
     init_one_rank_megatron()
-    preset = get_preset("tiny")
-    torch.manual_seed(0)
-    state = Qwen3_5ForCausalLM(preset.to_hf_config()).state_dict()
-    tokens = torch.randint(0, preset.vocab_size, (2, 256), device="cuda")
-    positions = torch.arange(256, device="cuda").expand(2, 256)
-    results = {}
-    for backend in ("te", "local"):
-        # no DDP here, so no main_grad for TE's fused wgrad accumulation to write into: gradients land in .grad
-        config = transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16,
-                                    gradient_accumulation_fusion=False)
-        provider = ModelProvider(preset, config, backend=backend)
-        model = provider().cuda()
-        load_hf_weights(model, state, preset, provider.padded_vocab_size)
-        logits = model(tokens, positions, None)[..., :preset.vocab_size].float()
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        results[backend] = (logits.detach(), loss.item(),
-                            gather_hf_tensors(model, preset, provider.padded_vocab_size, grads=True))
-    (te_logits, te_loss, te_grads), (local_logits, local_loss, local_grads) = results["te"], results["local"]
-    rec.row(check="TE spec vs local spec (tiny preset, bf16, same weights)",
-            logits_max_abs=(te_logits - local_logits).abs().max().item(), loss_abs=abs(te_loss - local_loss),
-            grad_max_rel=max(_max_rel(te_grads[name], grad) for name, grad in local_grads.items()))
+    for name in TINY_PRESETS:
+        preset = get_preset(name)
+        torch.manual_seed(0)
+        state = preset.family.hf_model(preset).state_dict()
+        tokens = torch.randint(0, preset.vocab_size, (2, 256), device="cuda")
+        positions = torch.arange(256, device="cuda").expand(2, 256)
+        results = {}
+        for backend in ("te", "local"):
+            # no DDP here, so no main_grad for TE's fused wgrad accumulation to write into: gradients land in .grad
+            config = transformer_config(preset, ParallelConfig(), params_dtype=torch.bfloat16,
+                                        gradient_accumulation_fusion=False)
+            provider = ModelProvider(preset, config, backend=backend)
+            model = provider().cuda()
+            load_hf_weights(model, state, preset, provider.padded_vocab_size)
+            logits = model(tokens, positions, None)[..., :preset.vocab_size].float()
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            results[backend] = (logits.detach(), loss.item(),
+                                gather_hf_tensors(model, preset, provider.padded_vocab_size, grads=True))
+        (te_logits, te_loss, te_grads), (local_logits, local_loss, local_grads) = results["te"], results["local"]
+        rec.row(check=f"TE spec vs local spec ({name} preset, bf16, same weights)",
+                logits_max_abs=(te_logits - local_logits).abs().max().item(), loss_abs=abs(te_loss - local_loss),
+                grad_max_rel=max(_max_rel(te_grads[k], grad) for k, grad in local_grads.items()))

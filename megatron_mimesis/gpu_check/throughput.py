@@ -98,7 +98,9 @@ def stage_throughput(rec: StageRecorder) -> None:
     peak_flops = device_peak_flops(torch.cuda.get_device_name(0))
     tokens_per_s = THROUGHPUT_SEQ / seconds
     flops = train_flops_per_token(preset, THROUGHPUT_SEQ) * tokens_per_s
-    rec.row(layers=f"{THROUGHPUT_LAYERS} (3 DeltaNet + 1 attention) + lm head", seq=THROUGHPUT_SEQ,
+    kinds = preset.family.layer_kind_of(preset)
+    layers = " + ".join(f"{kinds.count(kind)} {name}" for kind, name in preset.family.layer_kinds.items())
+    rec.row(layers=f"{THROUGHPUT_LAYERS} ({layers}) + lm head", seq=THROUGHPUT_SEQ,
             step_s=seconds, tokens_per_s=tokens_per_s, tflops=flops / 1e12,
             mfu=flops / peak_flops if peak_flops else None, peak_gib=peak_bytes / 2**30,
             gpu_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
@@ -126,10 +128,9 @@ def _saved_bytes_per_layer(module, forward, meter_cls) -> list[int]:
 
 
 def _check_plan(rec: StageRecorder, planned: dict, peak_bytes: int, layer_bytes: list[int], preset) -> None:
-    from megatron_mimesis.training.memory.activations import layer_kind
-
+    kinds = preset.family.layer_kind_of(preset)
     for index, measured in enumerate(layer_bytes):
-        kind = layer_kind(preset.layer_types()[index])
+        kind = kinds[index]
         rec.row(check=f"layer {index} ({kind}) saved tensors vs plan", measured_gib=measured / 2**30,
                 planned_gib=planned["layer_gib"][kind], ratio=measured / 2**30 / planned["layer_gib"][kind])
     rec.note("plan: megatron's torch.compile'd GDN and output-gate helpers are counted eagerly there, an upper bound; "

@@ -1,7 +1,8 @@
-"""Preset + parallel layout -> megatron-core ``TransformerConfig`` for Qwen3.5.
+"""Preset + parallel layout -> megatron-core ``TransformerConfig``.
 
-The architectural switches (zero-centred norms, q/k norm, sigmoid attention output gate, GQA, SwiGLU,
-Gated DeltaNet every layer but each 4th) are fixed here once; sizes come from the preset.
+What every family shares (RMSNorm, SwiGLU, GQA, no biases or dropout, the parallel layout, the dtype and the fusions
+this process can run) is set here; the preset's family adds its architectural switches
+(:meth:`~megatron_mimesis.models.family.ModelFamily.transformer_fields`).
 """
 
 import importlib.util
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_mimesis.compat import cuda_is_usable
-from megatron_mimesis.models.presets import FULL_ATTENTION_INTERVAL, Qwen35Preset
+from megatron_mimesis.models.family import Preset
 
 
 @dataclass
@@ -26,7 +27,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
-def validate_layout(preset: Qwen35Preset, parallel: ParallelConfig) -> None:
+def validate_layout(preset: Preset, parallel: ParallelConfig) -> None:
     """Reject a layout the model cannot be split into, with a one-line reason, before any process group starts."""
     tp, pp, cp = (
         parallel.tensor_model_parallel_size,
@@ -39,14 +40,7 @@ def validate_layout(preset: Qwen35Preset, parallel: ParallelConfig) -> None:
             preset.num_query_groups % tp == 0 or tp % preset.num_query_groups == 0,
             f"TP={tp} must divide (or be a multiple of) num_query_groups={preset.num_query_groups}",
         ),
-        (
-            preset.linear_num_key_heads % (tp * cp) == 0,
-            f"TP*CP={tp * cp} must divide DeltaNet key heads={preset.linear_num_key_heads}",
-        ),
-        (
-            preset.linear_num_value_heads % (tp * cp) == 0,
-            f"TP*CP={tp * cp} must divide DeltaNet value heads={preset.linear_num_value_heads}",
-        ),
+        *preset.family.layout_problems(preset, tp, cp),
         (preset.ffn_hidden_size % tp == 0, f"TP={tp} must divide ffn_hidden_size={preset.ffn_hidden_size}"),
         (preset.num_layers % pp == 0, f"PP={pp} must divide num_layers={preset.num_layers}"),
         (not parallel.sequence_parallel or tp > 1, "sequence_parallel needs TP > 1"),
@@ -126,7 +120,7 @@ def installed_fusions() -> dict[str, bool]:
 
 
 def transformer_config(
-    preset: Qwen35Preset,
+    preset: Preset,
     parallel: ParallelConfig | None = None,
     *,
     params_dtype: torch.dtype = torch.float32,
@@ -146,22 +140,13 @@ def transformer_config(
         kv_channels=preset.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=preset.rms_norm_eps,
-        layernorm_zero_centered_gamma=True,
-        qk_layernorm=True,
-        attention_output_gate=True,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=FULL_ATTENTION_INTERVAL,
-        linear_conv_kernel_dim=preset.linear_conv_kernel_dim,
-        linear_key_head_dim=preset.linear_key_head_dim,
-        linear_value_head_dim=preset.linear_value_head_dim,
-        linear_num_key_heads=preset.linear_num_key_heads,
-        linear_num_value_heads=preset.linear_num_value_heads,
+        **preset.family.transformer_fields(preset),
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,

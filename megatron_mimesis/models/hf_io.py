@@ -1,10 +1,11 @@
-"""Reading and writing Hugging Face Qwen3.5 checkpoint directories (safetensors, sharded or not).
+"""Reading and writing Hugging Face checkpoint directories (safetensors, sharded or not).
 
-The released checkpoints are ``Qwen3_5ForConditionalGeneration``: text weights under
-``model.language_model.*`` beside a vision tower (``model.visual.*``) and MTP weights (``mtp.*``). Training
-is text-only, so reading yields the text model under ``Qwen3_5ForCausalLM`` names (``model.*``,
-``lm_head``), the names the parameter mapping uses. Both directions stream: a tensor is read when asked
-for, and written shards are flushed at a size bound, so a 9B model is never held twice.
+A text-only causal LM (``Qwen3ForCausalLM``, an exported ``Qwen3_5ForCausalLM``) names its tensors ``model.*`` and
+``lm_head.weight``. A multimodal one (the released ``Qwen3_5ForConditionalGeneration``) keeps the text weights under
+``model.language_model.*`` beside a vision tower (``model.visual.*``) and MTP weights (``mtp.*``). Training is
+text-only, so reading yields the text model under the causal LM's names, the names the parameter mappings use, and
+remembers which layout the directory had. Both directions stream: a tensor is read when asked for, and written
+shards are flushed at a size bound, so a 9B model is never held twice.
 """
 
 import json
@@ -37,7 +38,7 @@ def safetensors_files(directory: str | Path) -> list[Path]:
 
 
 def text_model_name(name: str) -> str | None:
-    """Checkpoint tensor name -> Qwen3_5ForCausalLM name, or None for non-text tensors (vision, MTP)."""
+    """Checkpoint tensor name -> the text-only causal LM's name, or None for non-text tensors (vision, MTP)."""
     if name.startswith(CONDITIONAL_TEXT_PREFIX):
         return TEXT_PREFIX + name[len(CONDITIONAL_TEXT_PREFIX):]
     if name == "lm_head.weight" or (name.startswith(TEXT_PREFIX) and not name.startswith("model.visual.")):
@@ -46,16 +47,19 @@ def text_model_name(name: str) -> str | None:
 
 
 class LazyHFState(Mapping):
-    """The text-model tensors of an HF checkpoint directory under Qwen3_5ForCausalLM names, read on access."""
+    """The text-model tensors of an HF checkpoint directory under the causal LM's names, read on access;
+    ``multimodal`` says whether the directory keeps them under ``model.language_model.``."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self._where: dict[str, tuple[Path, str]] = {}
         self.other: dict[str, tuple[Path, str]] = {}  # vision tower, MTP: everything the text model is not
+        self.multimodal = False
         for path in safetensors_files(directory):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     text_name = text_model_name(name)
+                    self.multimodal |= name.startswith(CONDITIONAL_TEXT_PREFIX)
                     if text_name is None:
                         self.other[name] = (path, name)
                     else:

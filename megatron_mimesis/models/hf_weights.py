@@ -1,4 +1,4 @@
-"""Moving Hugging Face Qwen3.5 weights into (and out of) a live, possibly TP/PP-sharded megatron model.
+"""Moving Hugging Face weights into (and out of) a live, possibly TP/PP-sharded megatron model.
 
 Pure tensor layout lives in :mod:`mapping`; this module only knows which shard and which layers the
 calling rank holds.
@@ -10,13 +10,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_mimesis.models.mapping import (
-    Replicated,
-    for_gradients,
-    localize_layer_names,
-    qwen35_mapping,
-)
-from megatron_mimesis.models.presets import Qwen35Preset
+from megatron_mimesis.models.family import Preset
+from megatron_mimesis.models.mapping import Replicated, for_gradients, localize_layer_names
 
 
 def _layer_offset(model) -> int:
@@ -32,10 +27,10 @@ def _stage_names(model, table) -> dict[str, str]:
     return {g: n for g, n in local.items() if n in held}
 
 
-def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Qwen35Preset, padded_vocab: int) -> None:
+def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Preset, padded_vocab: int) -> None:
     """Copy HF tensors into this rank's parameters of one model chunk, one entry at a time (``hf_state`` may read
     lazily, so a large model is never held twice); every parameter must be covered."""
-    table = qwen35_mapping(preset, padded_vocab)
+    table = preset.family.mapping(preset, padded_vocab)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     names = _stage_names(model, table)
@@ -58,14 +53,14 @@ def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], preset: Qwen35P
             param.copy_(shard)
 
 
-def iter_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False):
+def iter_hf_tensors(model, preset: Preset, padded_vocab: int, *, grads: bool = False):
     """Yield ``(hf_name, full tensor)`` for the layers this pipeline stage holds, one mapping entry at a time:
     each entry's TP shards are all-gathered (collective over the TP group, every TP rank gets the tensors), so
     memory stays at one parameter's full size. This is what weight sync to an inference engine streams.
 
     With ``grads`` the parameters' gradients (megatron DDP's ``main_grad`` when present) instead of their values.
     """
-    table = qwen35_mapping(preset, padded_vocab)
+    table = preset.family.mapping(preset, padded_vocab)
     if grads:
         table = for_gradients(table)
     names = _stage_names(model, table)
@@ -86,6 +81,6 @@ def iter_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bo
         yield from entry.to_hf(shards).items()
 
 
-def gather_hf_tensors(model, preset: Qwen35Preset, padded_vocab: int, *, grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_hf_tensors(model, preset: Preset, padded_vocab: int, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """All of :func:`iter_hf_tensors` at once, for tests and small models."""
     return {name: tensor.clone() for name, tensor in iter_hf_tensors(model, preset, padded_vocab, grads=grads)}

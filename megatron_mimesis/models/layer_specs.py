@@ -1,11 +1,11 @@
-"""Per-layer module specs of the Qwen3.5 hybrid stack, for Transformer Engine and for the local backend.
+"""Per-layer module specs for Transformer Engine and for the local backend, shared by the families.
 
-Each decoder layer is a megatron ``TransformerLayer``: a mixer (Gated DeltaNet, or gated full attention
-every 4th layer) followed by the SwiGLU MLP, which keeps layers one-to-one with HF's decoder layers. With
-TE this is megatron-core's own experimental-attention-variant block spec. megatron-core has no local
-version of it (its builder asks TE for the attention spec), so the local one is assembled here from the
-same megatron modules, through a backend provider whose norm+linear, norm and core attention come from
-:mod:`local_layers`. Both backends therefore fuse the input norms into the following linear and produce
+Each decoder layer is a megatron ``TransformerLayer``: a mixer (attention, or a family's linear-attention variant)
+followed by the SwiGLU MLP, which keeps layers one-to-one with HF's decoder layers. With TE a family uses
+megatron-core's own specs. megatron-core's local specs differ from TE's in parameter names (a separate
+``input_layernorm``, no fused norm + linear) and its local attention rejects packed rows, so the local layers are
+assembled here from the same megatron modules, through a backend provider whose norm+linear, norm and core attention
+come from :mod:`local_layers`. Both backends therefore fuse the input norms into the following linear and produce
 identical parameter names.
 """
 
@@ -14,10 +14,6 @@ from typing import Literal
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-    get_gated_delta_net_module_spec,
-    get_linear_attention_pattern,
-)
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -55,14 +51,14 @@ class LocalBackend(LocalSpecProvider):
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         if not rms_norm:
-            raise ValueError("the local Qwen3.5 backend implements RMSNorm only")
+            raise ValueError("the local backend implements RMSNorm only")
         return RMSNorm
 
     def core_attention(self):
         return PackedDotProductAttention
 
 
-def _local_attention_spec(backend: LocalBackend) -> ModuleSpec:
+def local_attention_spec(backend: LocalBackend) -> ModuleSpec:
     norm = backend.layer_norm(rms_norm=True, for_qk=True)
     return ModuleSpec(
         module=SelfAttention,
@@ -77,42 +73,27 @@ def _local_attention_spec(backend: LocalBackend) -> ModuleSpec:
     )
 
 
-def _local_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
-    backend = LocalBackend()
-    mixers = {
-        1: get_gated_delta_net_module_spec(config, backend=backend),
-        0: _local_attention_spec(backend),
-    }
-    mlp = get_mlp_module_spec_for_backend(backend=backend)
-    pattern = get_linear_attention_pattern(config)  # 1 = Gated DeltaNet, 0 = full attention
+def local_layer_spec(mixer: ModuleSpec, backend: LocalBackend) -> ModuleSpec:
+    """One decoder layer of the local backend: ``mixer`` (attention or a linear-attention variant, its input norm fused
+    into its first linear) then the SwiGLU MLP (its norm fused into fc1), as TE's specs lay them out."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp,
+            self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=get_mlp_module_spec_for_backend(backend=backend),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def local_block_spec(config, layer_spec_of, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
+    """The local backend's block of this pipeline stage: ``layer_spec_of(global layer index)`` for each of its
+    layers, then the final norm."""
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    layer_specs = [
-        ModuleSpec(
-            module=TransformerLayer,
-            submodules=TransformerLayerSubmodules(
-                input_layernorm=IdentityOp,
-                self_attention=mixers[pattern[i]],
-                self_attn_bda=get_bias_dropout_add,
-                pre_mlp_layernorm=IdentityOp,
-                mlp=mlp,
-                mlp_bda=get_bias_dropout_add,
-            ),
-        )
-        for i in range(offset, offset + count)
-    ]
-    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec_of(i) for i in range(offset, offset + count)],
+                                      layer_norm=RMSNorm)
 
-
-def block_spec(config, backend: Backend, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
-    """The decoder block spec of this pipeline stage (and virtual stage)."""
-    if backend == "te":
-        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-            get_transformer_block_with_experimental_attention_variant_spec,
-        )
-
-        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage,
-                                                                              pp_rank=pp_rank)
-    if backend == "local":
-        return _local_block_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    raise ValueError(f"unknown backend {backend!r}; expected 'te' or 'local'")

@@ -1,26 +1,24 @@
-"""The one Hugging Face <-> Megatron parameter mapping for Qwen3.5, each entry usable in both directions.
+"""The entries of the Hugging Face <-> Megatron parameter mappings, each usable in both directions.
 
 Every entry names one megatron parameter and the HF tensors it is made of, and knows how to cut the HF
 tensors into per-tensor-parallel-rank shards (``to_megatron``) and how to glue a list of shards back into
-the HF tensors (``to_hf``). The trainer's HF initialisation, the tests and the checkpoint converter all go
-through this table (in the style of Megatron-Bridge's param-mapping classes).
+the HF tensors (``to_hf``). Each family builds its one table from these (``qwen3_5/mapping.py``,
+``qwen3/mapping.py``; the parts both share are here); the trainer's HF initialisation, the weight sync, the
+tests and the checkpoint converter all go through it (in the style of Megatron-Bridge's param-mapping classes).
 
 Layouts that peers have got wrong, spelled out:
 
-- Gated attention: HF ``q_proj`` holds per head ``[q_h; gate_h]``; megatron's ``linear_qkv`` holds per
-  query group ``[q heads of the group, gate heads of the group, k, v]`` and TP splits whole groups.
-- Gated DeltaNet: HF ``in_proj_qkv`` (q, k, v sections), ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` ->
-  megatron ``in_proj`` whose rank-r slice is ``[q_r, k_r, v_r, z_r, b_r, a_r]``: each part is split by TP
-  first and the rank's pieces concatenated (chunking the fused tensor would mix parts across ranks).
-  ``conv1d`` likewise per rank ``[q_r; k_r; v_r]``; ``A_log`` / ``dt_bias`` are split on dim 0.
-- Norms: decoder norms are zero-centred on both sides (``y = norm(x) * (1 + w)``); the DeltaNet output
-  norm is plain in HF and zero-centred in megatron, so ``w_megatron = w_hf - 1``. That shift is exact, and
-  so the round trip bit-exact, for weights in [0.5, 2] (Sterbenz), which covers trained norm gains; outside
-  that range it is within one ulp. Every other entry only moves bits.
+- Attention: megatron's ``linear_qkv`` holds per query group ``[q heads of the group, k, v]`` and TP splits whole
+  groups; with Qwen3.5's output gate HF ``q_proj`` holds per head ``[q_h; gate_h]`` and megatron's group
+  ``[q heads, gate heads, k, v]``.
+- Fused tensors of several HF tensors (the MLP's fc1, Qwen3.5's Gated DeltaNet ``in_proj``): each part is split by
+  TP first and the rank's pieces concatenated (chunking the fused tensor would mix parts across ranks).
 - Vocabulary rows are padded with zeros to the padded vocab size and stripped on the way back.
+- A norm whose gain is parameterised differently on the two sides is shifted by a constant (``Replicated.offset``);
+  every other entry only moves bits.
 
 Names on the megatron side use *global* layer indices; :func:`localize_layer_names` renumbers them for a
-pipeline stage. HF names are those of ``Qwen3_5ForCausalLM`` (``model.layers.N...``).
+pipeline stage. HF names are those of the family's text-only causal LM (``model.layers.N...``, ``lm_head``).
 """
 
 import dataclasses
@@ -28,8 +26,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from megatron_mimesis.models.presets import Qwen35Preset
 
 Part = tuple[str, int, int]  # (hf tensor name, first row, number of rows)
 
@@ -132,8 +128,10 @@ class PerRankConcat:
 
 
 @dataclass(frozen=True)
-class GatedQKV:
-    """HF q_proj (per head [q; gate]), k_proj, v_proj <-> megatron linear_qkv (per group [q.., gate.., k, v])."""
+class GroupedQKV:
+    """HF q_proj, k_proj, v_proj <-> megatron linear_qkv, which holds per query group ``[q heads of the group, k, v]``
+    (TP splits whole groups). With ``output_gate`` (Qwen3.5's gated attention) HF q_proj holds per head ``[q_h;
+    gate_h]`` and megatron's group ``[q heads, gate heads, k, v]``."""
 
     megatron: str
     q: str
@@ -142,18 +140,22 @@ class GatedQKV:
     num_heads: int
     num_groups: int
     head_dim: int
+    output_gate: bool = False
 
     def hf_names(self) -> list[str]:
         return [self.q, self.k, self.v]
 
+    def _q_parts(self) -> int:
+        return 2 if self.output_gate else 1
+
     def _full(self, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        heads_per_group, d = self.num_heads // self.num_groups, self.head_dim
-        q_gate = hf[self.q].reshape(self.num_groups, heads_per_group, 2, d, -1)
-        q = q_gate[:, :, 0].reshape(self.num_groups, heads_per_group * d, -1)
-        gate = q_gate[:, :, 1].reshape(self.num_groups, heads_per_group * d, -1)
-        k = hf[self.k].reshape(self.num_groups, d, -1)
-        v = hf[self.v].reshape(self.num_groups, d, -1)
-        return torch.cat([q, gate, k, v], dim=1).reshape(-1, q.shape[-1])
+        heads_per_group, d, parts = self.num_heads // self.num_groups, self.head_dim, self._q_parts()
+        q = hf[self.q].reshape(self.num_groups, heads_per_group, parts, d, -1)
+        hidden = q.shape[-1]
+        q_parts = [q[:, :, i].reshape(self.num_groups, heads_per_group * d, hidden) for i in range(parts)]
+        k = hf[self.k].reshape(self.num_groups, d, hidden)
+        v = hf[self.v].reshape(self.num_groups, d, hidden)
+        return torch.cat([*q_parts, k, v], dim=1).reshape(-1, hidden)
 
     def to_megatron(self, hf: Mapping[str, torch.Tensor], tp: int) -> list[torch.Tensor]:
         if self.num_groups % tp:
@@ -161,20 +163,19 @@ class GatedQKV:
         return [c.clone() for c in torch.chunk(self._full(hf), tp, dim=0)]
 
     def to_hf(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        heads_per_group, d = self.num_heads // self.num_groups, self.head_dim
-        full = torch.cat(list(shards), dim=0).reshape(self.num_groups, (2 * heads_per_group + 2) * d, -1)
-        q, gate, k, v = torch.split(full, [heads_per_group * d, heads_per_group * d, d, d], dim=1)
+        heads_per_group, d, parts = self.num_heads // self.num_groups, self.head_dim, self._q_parts()
+        full = torch.cat(list(shards), dim=0).reshape(self.num_groups, (parts * heads_per_group + 2) * d, -1)
+        *q_parts, k, v = torch.split(full, [heads_per_group * d] * parts + [d, d], dim=1)
         hidden = full.shape[-1]
-        q_gate = torch.stack([q.reshape(self.num_groups, heads_per_group, d, hidden),
-                              gate.reshape(self.num_groups, heads_per_group, d, hidden)], dim=2)
+        q = torch.stack([p.reshape(self.num_groups, heads_per_group, d, hidden) for p in q_parts], dim=2)
         return {
-            self.q: q_gate.reshape(-1, hidden).clone(),
+            self.q: q.reshape(-1, hidden).clone(),
             self.k: k.reshape(-1, hidden).clone(),
             self.v: v.reshape(-1, hidden).clone(),
         }
 
 
-ParamMapping = Replicated | Split | VocabSplit | PerRankConcat | GatedQKV
+ParamMapping = Replicated | Split | VocabSplit | PerRankConcat | GroupedQKV
 
 
 def _even_chunks(t: torch.Tensor, tp: int, dim: int, what: str) -> tuple[torch.Tensor, ...]:
@@ -183,58 +184,41 @@ def _even_chunks(t: torch.Tensor, tp: int, dim: int, what: str) -> tuple[torch.T
     return torch.chunk(t, tp, dim=dim)
 
 
-def qwen35_mapping(preset: Qwen35Preset, padded_vocab: int) -> list[ParamMapping]:
-    """The full table for one model: embeddings, every decoder layer, final norm, and the LM head if untied."""
-    p = preset
+def embedding_and_head(p, padded_vocab: int) -> list[ParamMapping]:
+    """Embeddings, the final norm and the LM head if untied: ``Qwen3_5ForCausalLM`` and ``Qwen3ForCausalLM`` names."""
     table: list[ParamMapping] = [
         VocabSplit("embedding.word_embeddings.weight", "model.embed_tokens.weight", p.vocab_size, padded_vocab),
         Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
     ]
     if not p.tie_word_embeddings:
         table.append(VocabSplit("output_layer.weight", "lm_head.weight", p.vocab_size, padded_vocab))
-    key_dim = p.linear_num_key_heads * p.linear_key_head_dim
-    value_dim = p.linear_num_value_heads * p.linear_value_head_dim
-    nv = p.linear_num_value_heads
-    for i, kind in enumerate(p.layer_types()):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        table += [
-            Replicated(mc + "mlp.linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
-            PerRankConcat(mc + "mlp.linear_fc1.weight", (
-                (hf + "mlp.gate_proj.weight", 0, p.ffn_hidden_size),
-                (hf + "mlp.up_proj.weight", 0, p.ffn_hidden_size),
-            )),
-            Split(mc + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight", dim=1),
-        ]
-        if kind == "full_attention":
-            a, m = hf + "self_attn.", mc + "self_attention."
-            table += [
-                Replicated(m + "linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
-                GatedQKV(m + "linear_qkv.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
-                         p.num_attention_heads, p.num_query_groups, p.head_dim),
-                Replicated(m + "q_layernorm.weight", a + "q_norm.weight"),
-                Replicated(m + "k_layernorm.weight", a + "k_norm.weight"),
-                Split(m + "linear_proj.weight", a + "o_proj.weight", dim=1),
-            ]
-        else:
-            a, m = hf + "linear_attn.", mc + "self_attention."
-            qkv = a + "in_proj_qkv.weight"
-            conv = a + "conv1d.weight"
-            table += [
-                Replicated(m + "in_proj.layer_norm_weight", hf + "input_layernorm.weight"),
-                PerRankConcat(m + "in_proj.weight", (
-                    (qkv, 0, key_dim), (qkv, key_dim, key_dim), (qkv, 2 * key_dim, value_dim),
-                    (a + "in_proj_z.weight", 0, value_dim),
-                    (a + "in_proj_b.weight", 0, nv),
-                    (a + "in_proj_a.weight", 0, nv),
-                )),
-                PerRankConcat(m + "conv1d.weight", ((conv, 0, key_dim), (conv, key_dim, key_dim),
-                                                    (conv, 2 * key_dim, value_dim))),
-                Split(m + "A_log", a + "A_log", dim=0),
-                Split(m + "dt_bias", a + "dt_bias", dim=0),
-                Replicated(m + "out_norm.weight", a + "norm.weight", offset=-1.0),
-                Split(m + "out_proj.weight", a + "out_proj.weight", dim=1),
-            ]
     return table
+
+
+def swiglu_mlp(p, layer: int) -> list[ParamMapping]:
+    """Layer ``layer``'s pre-MLP norm (fused into fc1 on the megatron side) and its SwiGLU MLP."""
+    hf, mc = f"model.layers.{layer}.", f"decoder.layers.{layer}.mlp."
+    return [
+        Replicated(mc + "linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
+        PerRankConcat(mc + "linear_fc1.weight", (
+            (hf + "mlp.gate_proj.weight", 0, p.ffn_hidden_size),
+            (hf + "mlp.up_proj.weight", 0, p.ffn_hidden_size),
+        )),
+        Split(mc + "linear_fc2.weight", hf + "mlp.down_proj.weight", dim=1),
+    ]
+
+
+def attention(p, layer: int, output_gate: bool) -> list[ParamMapping]:
+    """Layer ``layer``'s input norm (fused into linear_qkv), grouped-query attention with per-head q/k norms."""
+    a, m = f"model.layers.{layer}.self_attn.", f"decoder.layers.{layer}.self_attention."
+    return [
+        Replicated(m + "linear_qkv.layer_norm_weight", f"model.layers.{layer}.input_layernorm.weight"),
+        GroupedQKV(m + "linear_qkv.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                   p.num_attention_heads, p.num_query_groups, p.head_dim, output_gate=output_gate),
+        Replicated(m + "q_layernorm.weight", a + "q_norm.weight"),
+        Replicated(m + "k_layernorm.weight", a + "k_norm.weight"),
+        Split(m + "linear_proj.weight", a + "o_proj.weight", dim=1),
+    ]
 
 
 def for_gradients(table: Sequence[ParamMapping]) -> list[ParamMapping]:

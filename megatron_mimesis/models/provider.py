@@ -1,8 +1,8 @@
-"""The Qwen3.5 model provider: one megatron ``GPTModel`` chunk per pipeline (and virtual pipeline) stage.
+"""The model provider: one megatron ``GPTModel`` chunk per pipeline (and virtual pipeline) stage, of any family.
 
-megatron-core's GPT model with a heterogeneous layer list is what megatron-core's own Qwen3-Next support
-uses; its HybridModel splits mixer and MLP into separate layers, which would break the one-to-one
-correspondence with HF's decoder layers that the parameter mapping relies on.
+megatron-core's GPT model with a heterogeneous layer list is what megatron-core's own Qwen3-Next support and
+Megatron-Bridge's Qwen models use; its HybridModel splits mixer and MLP into separate layers, which would break the
+one-to-one correspondence with HF's decoder layers that the parameter mapping relies on (``models/family.py``).
 """
 
 from dataclasses import dataclass
@@ -12,15 +12,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_mimesis.models.config import mark_real_vocab, padded_vocab_size
-from megatron_mimesis.models.layer_specs import Backend, block_spec, select_backend
-from megatron_mimesis.models.presets import Qwen35Preset
+from megatron_mimesis.models.family import Preset
+from megatron_mimesis.models.layer_specs import Backend, select_backend
 
 
 @dataclass
 class ModelProvider:
     """Callable with megatron's provider signature ``(pre_process, post_process, vp_stage) -> GPTModel``."""
 
-    preset: Qwen35Preset
+    preset: Preset
     config: TransformerConfig
     backend: Backend | None = None
     make_vocab_size_divisible_by: int = 64
@@ -40,7 +40,7 @@ class ModelProvider:
         backend = self.backend or select_backend()
         model = GPTModel(
             config=self.config,
-            transformer_layer_spec=block_spec(self.config, backend, vp_stage=vp_stage),
+            transformer_layer_spec=self.preset.family.block_spec(self.config, backend, vp_stage=vp_stage),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.preset.max_position_embeddings,
             pre_process=pre_process,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from megatron_mimesis.kernels.reference import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTIONS
+from megatron_mimesis.models.presets import TINY_PRESETS
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
 ENGINES = ("local", "vllm")
@@ -31,8 +32,8 @@ class RLConfig(TrainConfig):
     engine: str = "local"
     engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/engines/vllm.py)
     generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
-    # the vLLM engine's Gated DeltaNet recurrent state (its mamba_ssm_cache_dtype): float32 as the trainer keeps
-    # it and the released configs ask. bfloat16 halves the state cache and its decode traffic, at the cost of a
+    # the vLLM engine's Gated DeltaNet recurrent state (its mamba_ssm_cache_dtype), for a family with one (Qwen3.5):
+    # float32 as the trainer keeps it and the released configs ask. bfloat16 halves the state cache and its decode traffic, at the cost of a
     # state rounded to bf16 at every decoded token; tools/bench_mismatch.py prints both sizes for a preset and
     # measures the mismatch each gives
     engine_deltanet_state_dtype: str = "float32"
@@ -100,10 +101,10 @@ class RLConfig(TrainConfig):
                 f"the other ranks first; raise distributed_timeout_minutes")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
-        if self.engine == "local" and self.model != "tiny":
+        if self.engine == "local" and self.model not in TINY_PRESETS:
             raise ConfigError(f"engine=local decodes with the training model itself, with no KV cache and full "
-                              f"[tokens, vocab] logits per decoded token: the tiny preset's CPU engine, not one for "
-                              f"{self.model!r}; use engine=vllm")
+                              f"[tokens, vocab] logits per decoded token: the tiny presets' CPU engine "
+                              f"{TINY_PRESETS}, not one for {self.model!r}; use engine=vllm")
         for name, allowed in (("engine_deltanet_state_dtype", DELTANET_STATE_DTYPES),
                               ("rollout_correction", ROLLOUT_CORRECTIONS),
                               ("rollout_correction_level", ROLLOUT_CORRECTION_LEVELS)):

@@ -69,7 +69,7 @@ class RLLoop:
         if (Path(source) / "config.json").exists():
             self.trainer.load_hf(chunks, source)
         else:
-            load_model_weights(source, chunks, vars(self.config.preset))
+            load_model_weights(source, chunks, self.config.preset)
         for chunk in chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -176,6 +176,7 @@ class RLLoop:
 
     def run(self) -> int:
         from megatron_mimesis.checkpoint.trainer_state import current_layout
+        from megatron_mimesis.models.presets import preset_record
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.rollout_correction import correction_warning
         from megatron_mimesis.training.run_log import RunLog
@@ -188,7 +189,7 @@ class RLLoop:
             raise ConfigError(f"load: {c.load} is not a {c.stage} checkpoint; start from it with --finetune")
         self.sampler.load_state_dict(progress["sampler"])
         refresh_engine(self.engine, self.trainer)  # the engine was built before the weights were restored
-        run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
+        run_config = {"train": c.to_dict(), "preset": preset_record(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.trainer.provider.padded_vocab_size}
         self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
                           progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,

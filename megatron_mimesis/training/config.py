@@ -21,7 +21,8 @@ from typing import ClassVar
 
 import yaml
 
-from megatron_mimesis.models.presets import PRESETS, Qwen35Preset, get_preset
+from megatron_mimesis.models.family import Preset
+from megatron_mimesis.models.presets import PRESETS, get_preset
 from megatron_mimesis.training.memory.gpus import DEFAULT_GPU, GPU_MEMORY_GIB
 
 if typing.TYPE_CHECKING:
@@ -72,7 +73,7 @@ RESUME_FIXED = ("train_iters", "global_batch_size", "seq_length", "seed", "lr", 
 class TrainConfig:
     # what to train
     stage: str = "midtrain"  # "midtrain" (user-side) or "sft" (thought-supervised); only names the run
-    model: str = "tiny"  # preset name (megatron_mimesis.models.presets)
+    model: str = "tiny"  # preset name (megatron_mimesis.models.presets: its family and sizes)
     # parallel layout (Megatron-LM flag names)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -108,7 +109,7 @@ class TrainConfig:
     eval_interval: int | None = None
     eval_iters: int = 4
     # initialisation and checkpoints
-    pretrained_hf: str | None = None  # HF Qwen3.5 checkpoint directory to start from
+    pretrained_hf: str | None = None  # HF checkpoint directory to start from (of the model preset's architecture)
     load: str | None = None  # megatron checkpoint directory to resume from (its `latest`)
     finetune: bool = False  # with load: take only the weights, start at iteration 0 with a fresh optimizer
     save: str | None = None
@@ -159,7 +160,7 @@ class TrainConfig:
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
         "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE,
         "max_consecutive_skipped_iters": AT_LEAST_1, "distributed_timeout_minutes": AT_LEAST_1,
-        # the preset's sizes, as model_overrides may set them (checked on the resolved preset)
+        # the preset's sizes, as model_overrides may set them (checked on the resolved preset, where its family has them)
         **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (
             "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
             "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -170,7 +171,7 @@ class TrainConfig:
 
     # ------------------------------------------------------------------
     @property
-    def preset(self) -> Qwen35Preset:
+    def preset(self) -> Preset:
         return get_preset(self.model).replace(**self.model_overrides)
 
     @property
@@ -206,16 +207,19 @@ class TrainConfig:
     def check_ranges(self) -> None:
         """Each numeric option, and each size of the preset ``model_overrides`` may change, is a finite number of its
         field's type inside its ``RANGES`` entry (None where allowed)."""
-        unknown = sorted(set(self.model_overrides) - {f.name for f in dataclasses.fields(Qwen35Preset)} - {"name"})
-        if unknown:
-            raise ConfigError(f"{MODEL_OVERRIDES}: unknown preset field(s) {unknown}")
-        hints, preset_hints = typing.get_type_hints(type(self)), typing.get_type_hints(Qwen35Preset)
-        preset = get_preset(self.model).replace(**self.model_overrides) if self.model in PRESETS else None
+        base = get_preset(self.model) if self.model in PRESETS else None
+        if base is not None:
+            unknown = sorted(set(self.model_overrides) - {f.name for f in dataclasses.fields(base)} - {"name"})
+            if unknown:
+                raise ConfigError(f"{MODEL_OVERRIDES}: unknown {base.family.title} preset field(s) {unknown}")
+        hints = typing.get_type_hints(type(self))
+        preset = base.replace(**self.model_overrides) if base is not None else None
         for name, allowed in self.RANGES.items():
             if name.startswith(f"{MODEL_OVERRIDES}."):
-                if preset is None:
+                field_name = name.split(".", 1)[1]
+                if preset is None or not hasattr(preset, field_name):
                     continue
-                hint, value = preset_hints[name.split(".", 1)[1]], getattr(preset, name.split(".", 1)[1])
+                hint, value = typing.get_type_hints(type(preset))[field_name], getattr(preset, field_name)
             else:
                 hint, value = hints[name], getattr(self, name)
             if value is None and type(None) in typing.get_args(hint):
@@ -232,10 +236,25 @@ class TrainConfig:
     def validate_model_and_optimizer(self, world_size: int) -> None:
         """The checks every stage shares (the RL stages add their own on top)."""
         self.validate_without_files(world_size)
-        if self.pretrained_hf is not None and not Path(self.pretrained_hf).exists():
-            raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
+        if self.pretrained_hf is not None:
+            self._check_pretrained_hf()
         if self.load:
             self._check_resume()
+
+    def _check_pretrained_hf(self) -> None:
+        """The HF checkpoint's own config (its family by ``model_type``) must be the model the run builds."""
+        from megatron_mimesis.models.presets import architecture_differences, preset_from_hf_dir
+
+        if not Path(self.pretrained_hf).exists():
+            raise ConfigError(f"pretrained_hf: {self.pretrained_hf} does not exist")
+        try:
+            found = preset_from_hf_dir(self.pretrained_hf)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"pretrained_hf: {exc}") from None
+        diff = architecture_differences(self.preset, found)
+        if diff:
+            raise ConfigError(f"pretrained_hf: {self.pretrained_hf} is not the model {self.model!r} (model vs "
+                              f"checkpoint: {'; '.join(diff)}); set model to its preset (model_overrides for sizes)")
 
     def validate_without_files(self, world_size: int) -> None:
         """Every shared check that reads no file (model, layout, batch, schedule, options): what a memory plan of
@@ -392,7 +411,7 @@ def _flag_type(annotation):
 
 
 def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mimesis.training.train",
-                     description: str = "User-side mid-training / thought-supervised SFT of Qwen3.5 on megatron-core."
+                     description: str = "User-side mid-training / thought-supervised SFT on megatron-core."
                      ) -> argparse.ArgumentParser:
     """``--config FILE`` plus one Megatron-style flag per field (``--tensor-model-parallel-size 2``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)

@@ -1,4 +1,4 @@
-"""Mid-training / SFT of Qwen3.5 on megatron-core: the whole loop, top to bottom.
+"""Mid-training / SFT on megatron-core: the whole loop, top to bottom.
 
 Run under torchrun (``launch/midtrain.sh`` / ``launch/sft.sh`` do that, on SLURM or locally)::
 
@@ -286,11 +286,11 @@ class Trainer:
 
         c = self.config
         if c.load and c.finetune:
-            load_model_weights(c.load, self.model, vars(c.preset))
+            load_model_weights(c.load, self.model, c.preset)
             self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
             return fresh
         if c.load:
-            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, vars(c.preset))
+            progress = load_checkpoint(c.load, self.model, self.optimizer, self.scheduler, c.preset)
             if self.checkpoints is not None and Path(c.load) == Path(c.save):
                 self.checkpoints.last_saved = progress["iteration"]  # already saved, in the save directory
             return progress
@@ -300,6 +300,7 @@ class Trainer:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
         from megatron_mimesis.checkpoint.trainer_state import current_layout
+        from megatron_mimesis.models.presets import preset_record
         from megatron_mimesis.training.flops import peak_for_mfu, train_flops_per_token
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
@@ -307,7 +308,7 @@ class Trainer:
         c = self.config
         progress = self.restore({"iteration": 0, "consumed_samples": 0, "skipped_iters": 0})
         self._data(progress["consumed_samples"])
-        run_config = {"train": c.to_dict(), "preset": vars(c.preset), "layout": current_layout(),
+        run_config = {"train": c.to_dict(), "preset": preset_record(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.provider.padded_vocab_size, TOKENIZER_SHA256: tokenizer_sha256}
         log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.is_logger, progress=c.progress,
                      wandb_project=c.wandb_project, run_config=run_config)

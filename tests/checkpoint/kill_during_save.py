@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_mimesis.checkpoint import trainer_state
 from megatron_mimesis.compat import enable_cpu_compat
+from megatron_mimesis.models.presets import preset_record
 from megatron_mimesis.training.config import TrainConfig
 from tests.training.conftest import VOCAB
 
@@ -72,7 +73,7 @@ def main(phase: str, root: str) -> None:
     trainer_state._prepare_adam_for_load(trainer.optimizer)  # an Adam state to save without training a step
     weight = dict(trainer.model[0].module.named_parameters())[MARKED]
     progress = {"iteration": 1, "consumed_samples": 0, "skipped_iters": 0}
-    run_config = {"preset": vars(config.preset), "padded_vocab_size": trainer.provider.padded_vocab_size}
+    run_config = {"preset": preset_record(config.preset), "padded_vocab_size": trainer.provider.padded_vocab_size}
     with torch.no_grad():
         weight.fill_(0.0)
     trainer.save_checkpoint(progress, run_config)

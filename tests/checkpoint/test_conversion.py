@@ -122,7 +122,7 @@ def _load_at_layout_and_compare(rank, world_size, ckpt, hf_dir):
                                                                               pipeline_model_parallel_size=2)))
     expected, loaded = provider(), provider()
     load_hf_weights(expected, LazyHFState(hf_dir), PRESET, provider.padded_vocab_size)
-    load_model_weights(ckpt, [loaded], vars(PRESET))
+    load_model_weights(ckpt, [loaded], PRESET)
     theirs = dict(expected.named_parameters())
     return sorted(name for name, p in loaded.named_parameters() if not torch.equal(p, theirs[name]))
 
@@ -228,7 +228,7 @@ def test_reference_of_another_architecture_is_refused(tmp_path):
     ref = tmp_path / "llama"
     ref.mkdir()
     (ref / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ConversionError, match="llama' is not a Qwen3.5 architecture"):
+    with pytest.raises(ConversionError, match="model_type 'llama' is not a supported family"):
         _reference_config(ref, PRESET)
 
 

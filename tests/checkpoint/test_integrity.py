@@ -24,7 +24,7 @@ from megatron_mimesis.checkpoint.integrity import (
     verify_files,
 )
 from megatron_mimesis.checkpoint.reader import iteration_dir, newest_complete, resolve_checkpoint_dir
-from megatron_mimesis.models.presets import get_preset
+from megatron_mimesis.models.presets import get_preset, preset_record
 from tests.models.harness import REPO
 
 
@@ -46,7 +46,7 @@ def _hostile_checkpoint(tmp_path):
     marker = tmp_path / "pwned"
     (directory / ".metadata").write_bytes(pickle.dumps(_CreatesFile(marker)))
     preset = get_preset("tiny")
-    (directory / "run_config.json").write_text(json.dumps({"preset": vars(preset),
+    (directory / "run_config.json").write_text(json.dumps({"preset": preset_record(preset),
                                                            "padded_vocab_size": preset.vocab_size}))
     record_files(directory)
     (tmp_path / "hostile" / "latest").write_text("3\n")

@@ -15,18 +15,20 @@ from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.models.provider import ModelProvider
 
 PRESET = get_preset("tiny")
+QWEN3_PRESET = get_preset("qwen3-tiny")
+TINY_PRESETS = [PRESET, QWEN3_PRESET]  # one per family
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def hf_reference(seed: int = 0, preset=PRESET):
-    """A random-weight transformers Qwen3_5ForCausalLM in fp32, with non-trivial norm gains."""
-    from transformers import Qwen3_5ForCausalLM
-
+    """A random-weight transformers model of the preset's family in fp32, with non-trivial norm gains (around 1:
+    ``w`` near 0 for a zero-centred norm, Qwen3.5's decoder norms; near 1 for a plain one)."""
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(preset.to_hf_config(attn_implementation="eager")).eval()
+    model = preset.family.hf_model(preset, attn_implementation="eager").eval()
+    zero_centred = preset.family.transformer_fields(preset)["layernorm_zero_centered_gamma"]
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
+            if name.endswith("linear_attn.norm.weight") or ("norm" in name and not zero_centred):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "norm" in name:
                 p.normal_(0.0, 0.2)

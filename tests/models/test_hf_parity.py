@@ -1,4 +1,5 @@
-"""Our megatron-core Qwen3.5 against transformers' Qwen3_5ForCausalLM (fp32, random tiny weights)."""
+"""Our megatron-core models against transformers' (fp32, random tiny weights), for every family: the tiny Qwen3.5
+against ``Qwen3_5ForCausalLM``, the tiny Qwen3 against ``Qwen3ForCausalLM``."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_mimesis.models.config import ParallelConfig
 from tests.models.harness import (
+    TINY_PRESETS,
     assert_grads_close,
     build_megatron_from_hf,
     hf_loss_and_grads,
@@ -19,20 +21,25 @@ from tests.multiproc import run_distributed
 LOGIT_TOL = 1e-4  # measured: ~2e-7
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    return hf_reference()
+@pytest.fixture(scope="module", params=TINY_PRESETS, ids=lambda p: p.name)
+def preset(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def megatron_model(hf_model):
+def hf_model(preset):
+    return hf_reference(preset=preset)
+
+
+@pytest.fixture(scope="module")
+def megatron_model(hf_model, preset):
     init_single_process_megatron()
-    model, _, _ = build_megatron_from_hf(hf_model.state_dict(), ParallelConfig())
+    model, _, _ = build_megatron_from_hf(hf_model.state_dict(), ParallelConfig(), preset=preset)
     return model
 
 
 def test_logits_match_transformers(hf_model, megatron_model):
-    batch = make_batch(seq=80)  # longer than one 64-token delta-rule chunk
+    batch = make_batch(seq=80)  # longer than one 64-token delta-rule chunk (Qwen3.5)
     positions = torch.arange(80).expand(2, 80)
     with torch.no_grad():
         ours = megatron_model(batch["tokens"], positions, None)
@@ -59,30 +66,30 @@ def test_packed_row_equals_each_document_alone(megatron_model):
     assert (unpacked - packed_logits).abs().max() > 1e-3
 
 
-def test_loss_and_every_gradient_match_transformers_single_process(hf_model):
+def test_loss_and_every_gradient_match_transformers_single_process(hf_model, preset):
     batch = make_batch()
     ref_loss, ref_grads = hf_loss_and_grads(hf_model, batch)
-    (out,) = run_distributed(megatron_train_step, 1, 1, 1, False, hf_model.state_dict(), batch)
+    (out,) = run_distributed(megatron_train_step, 1, 1, 1, False, hf_model.state_dict(), batch, preset)
     assert abs(out["loss"] - ref_loss) <= 1e-5, (out["loss"], ref_loss)
     assert_grads_close(out["grads"], ref_grads, "TP=1")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["sp-off", "sp-on"])
-def test_tensor_parallel_2_matches_transformers(hf_model, sequence_parallel):
+def test_tensor_parallel_2_matches_transformers(hf_model, preset, sequence_parallel):
     batch = make_batch()
     ref_loss, ref_grads = hf_loss_and_grads(hf_model, batch)
-    outs = run_distributed(megatron_train_step, 2, 2, 1, sequence_parallel, hf_model.state_dict(), batch)
+    outs = run_distributed(megatron_train_step, 2, 2, 1, sequence_parallel, hf_model.state_dict(), batch, preset)
     for rank, out in enumerate(outs):
         assert abs(out["loss"] - ref_loss) <= 1e-5, (rank, out["loss"], ref_loss)
         assert_grads_close(out["grads"], ref_grads, f"TP=2 rank {rank}")
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_2_matches_transformers(hf_model):
+def test_pipeline_parallel_2_matches_transformers(hf_model, preset):
     batch = make_batch()
     ref_loss, ref_grads = hf_loss_and_grads(hf_model, batch)
-    first, last = run_distributed(megatron_train_step, 2, 1, 2, False, hf_model.state_dict(), batch)
+    first, last = run_distributed(megatron_train_step, 2, 1, 2, False, hf_model.state_dict(), batch, preset)
     assert abs(last["loss"] - ref_loss) <= 1e-5, (last["loss"], ref_loss)
     assert set(first["grads"]).isdisjoint(last["grads"])
     assert_grads_close({**first["grads"], **last["grads"]}, ref_grads, "PP=2")

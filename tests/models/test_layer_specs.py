@@ -1,4 +1,4 @@
-"""Which modules the Qwen3.5 layer specs pick, per backend and pipeline stage."""
+"""Which modules each family's layer specs pick, per backend and pipeline stage."""
 
 import importlib.util
 
@@ -9,7 +9,6 @@ from megatron.core.transformer.attention import SelfAttention
 
 from megatron_mimesis.compat import cuda_is_usable
 from megatron_mimesis.models.config import ParallelConfig, transformer_config, validate_layout
-from megatron_mimesis.models.layer_specs import block_spec
 from megatron_mimesis.models.local_layers import NormColumnParallelLinear, PackedDotProductAttention, RMSNorm
 from megatron_mimesis.models.presets import get_preset
 from tests.models.harness import init_single_process_megatron
@@ -17,9 +16,13 @@ from tests.models.harness import init_single_process_megatron
 HAVE_TE_GPU = cuda_is_usable() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def _block_spec(preset, backend, **config):
+    return preset.family.block_spec(transformer_config(preset, **config), backend)
+
+
 def test_local_spec_hybrid_pattern_and_fused_norms():
     init_single_process_megatron()
-    spec = block_spec(transformer_config(get_preset("tiny")), "local")
+    spec = _block_spec(get_preset("tiny"), "local")
     mixers = [s.submodules.self_attention for s in spec.layer_specs]
     assert [m.module for m in mixers] == [GatedDeltaNet, GatedDeltaNet, GatedDeltaNet, SelfAttention]
     assert mixers[0].submodules.in_proj is NormColumnParallelLinear
@@ -34,10 +37,24 @@ def test_te_spec_uses_transformer_engine_modules():
     from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
     init_single_process_megatron()
-    spec = block_spec(transformer_config(get_preset("tiny"), params_dtype=torch.bfloat16), "te")
+    spec = _block_spec(get_preset("tiny"), "te", params_dtype=torch.bfloat16)
     mixers = [s.submodules.self_attention for s in spec.layer_specs]
     assert [m.module for m in mixers] == [GatedDeltaNet, GatedDeltaNet, GatedDeltaNet, SelfAttention]
     assert mixers[0].submodules.in_proj is TELayerNormColumnParallelLinear
+    qwen3 = _block_spec(get_preset("qwen3-tiny"), "te", params_dtype=torch.bfloat16)
+    assert all(s.submodules.self_attention.submodules.linear_qkv is TELayerNormColumnParallelLinear
+               for s in qwen3.layer_specs)
+
+
+def test_qwen3_local_spec_is_uniform_attention_with_qk_norms():
+    init_single_process_megatron()
+    spec = _block_spec(get_preset("qwen3-tiny"), "local")
+    mixers = [s.submodules.self_attention for s in spec.layer_specs]
+    assert [m.module for m in mixers] == [SelfAttention] * 4
+    assert mixers[0].submodules.linear_qkv is NormColumnParallelLinear
+    assert mixers[0].submodules.q_layernorm is RMSNorm and mixers[0].submodules.k_layernorm is RMSNorm
+    config = transformer_config(get_preset("qwen3-tiny"))
+    assert not config.layernorm_zero_centered_gamma and not config.attention_output_gate and config.qk_layernorm
 
 
 def test_zero_centred_rms_norm_matches_formula():

@@ -1,23 +1,43 @@
 import pytest
 
+from megatron_mimesis.models.family import attention_params, causal_attention_flops
 from megatron_mimesis.models.presets import PRESETS
+from megatron_mimesis.models.qwen3_5.family import _deltanet_params, deltanet_recurrence_flops
 from megatron_mimesis.training import flops
 
 TINY = PRESETS["tiny"]  # h 64, ffn 128, 4 q / 2 kv heads of 64, DeltaNet 2 k / 4 v heads of 64, vocab 512
+QWEN3_TINY = PRESETS["qwen3-tiny"]  # h 64, ffn 128, 4 layers of 4 q / 2 kv heads of 64, vocab 512
 
 
 def test_tiny_full_attention_layer_by_hand():
     # q+gate 64*(2*4*64) + k,v 64*(2*2*64) + o (4*64)*64
-    assert flops._attention_matmul_params(TINY) == 32768 + 16384 + 16384
+    assert attention_params(TINY, output_gate=True) == 32768 + 16384 + 16384
     # causal QK^T + AV at S=256: 2 * 256 * 4 heads * 64
-    assert flops.causal_attention_flops(TINY, 256) == 131072
+    assert causal_attention_flops(TINY, 256) == 131072
 
 
 def test_tiny_deltanet_layer_by_hand():
     # conv_dim = 2*128 + 256 = 512; in_proj 64*(512 + 256 + 2*4), out_proj 256*64, conv 512*4
-    assert flops._deltanet_matmul_params(TINY) == 49664 + 16384 + 2048
+    assert _deltanet_params(TINY) == 49664 + 16384 + 2048
     # per value head: 2*64*(3*64 + 2*64) + 64^2 + 6*64*64 = 69632; 4 value heads
-    assert flops.deltanet_recurrence_flops(TINY) == 4 * 69632
+    assert deltanet_recurrence_flops(TINY) == 4 * 69632
+
+
+def test_qwen3_tiny_by_hand():
+    # per layer: q 64*256 + k,v 64*(2*2*64) + o 256*64 = 49152, MLP 3*64*128 = 24576; 4 layers; head 64*512
+    matmul = 4 * (49152 + 24576) + 64 * 512
+    assert QWEN3_TINY.family.matmul_params(QWEN3_TINY) == matmul
+    # causal attention at S=256 on every layer: 4 x 2 * 256 * 4 heads * 64
+    assert flops.model_flops_per_token(QWEN3_TINY, 256) == 2 * matmul + 4 * 131072
+    assert flops.parameter_count(QWEN3_TINY) == matmul + 64 * 512  # untied: the input embedding too
+
+
+def test_qwen3_8b_parameters_as_released():
+    # Qwen3-8B: 8.19B parameters, 6.95B without the (untied) input and output embeddings; norms are left out
+    preset = PRESETS["qwen3-8b"]
+    total = flops.parameter_count(preset)
+    assert 8.18e9 < total < 8.20e9
+    assert 6.94e9 < total - 2 * preset.vocab_size * preset.hidden_size < 6.96e9
 
 
 def test_tiny_total_is_sum_of_layers():

@@ -7,7 +7,8 @@ import typing
 
 import pytest
 
-from megatron_mimesis.models.presets import Qwen35Preset
+from megatron_mimesis.models.qwen3.presets import Qwen3Preset
+from megatron_mimesis.models.qwen3_5.presets import Qwen35Preset
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
@@ -23,7 +24,8 @@ def _numeric_fields(cls, prefix: str = "") -> set[str]:
 
 @pytest.mark.parametrize("cls", [TrainConfig, SimulatorRLConfig, AgentRLConfig])
 def test_every_numeric_option_and_preset_size_has_a_range(cls):
-    assert _numeric_fields(cls) | _numeric_fields(Qwen35Preset, "model_overrides.") == set(cls.RANGES)
+    presets = _numeric_fields(Qwen35Preset, "model_overrides.") | _numeric_fields(Qwen3Preset, "model_overrides.")
+    assert _numeric_fields(cls) | presets == set(cls.RANGES)
 
 
 @pytest.mark.parametrize(("changes", "reason"), [
@@ -48,7 +50,9 @@ def test_every_numeric_option_and_preset_size_has_a_range(cls):
     ({"model_overrides": {"rms_norm_eps": float("inf")}}, "model_overrides.rms_norm_eps must be a finite number"),
     ({"model_overrides": {"rotary_percent": 1.5}}, r"model_overrides.rotary_percent must be in \(0, 1\], got 1.5"),
     ({"model_overrides": {"head_dim": "64"}}, r"model_overrides.head_dim: expected an integer, got '64' \(str\)"),
-    ({"model_overrides": {"num_heads": 8}}, r"model_overrides: unknown preset field\(s\) \['num_heads'\]"),
+    ({"model_overrides": {"num_heads": 8}}, r"model_overrides: unknown Qwen3.5 preset field\(s\) \['num_heads'\]"),
+    ({"model": "qwen3-tiny", "model_overrides": {"linear_num_key_heads": 8}},
+     r"model_overrides: unknown Qwen3 preset field\(s\) \['linear_num_key_heads'\]"),
 ])
 def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes, reason):
     with pytest.raises(ConfigError, match=f"^{reason}") as info:
@@ -113,7 +117,7 @@ def _checkpoint(root, iteration=5, train=None, **run_config):
     {},
 ], ids=["pretrained_hf", "load-finetune", "sft-from-hf", "fresh"])
 def test_a_save_directory_holding_a_checkpoint_is_resumed_whatever_the_starting_weights(tmp_path, start):
-    (tmp_path / "HF").mkdir()
+    _hf_config(tmp_path / "HF", "tiny")
     source = _checkpoint(tmp_path / "SOURCE", iteration=3)
     paths = {"HF": str(tmp_path / "HF"), "SOURCE": str(source)}
     start = {k: paths.get(v, v) for k, v in start.items()}
@@ -136,6 +140,28 @@ def test_a_save_directory_holding_a_checkpoint_is_resumed_whatever_the_starting_
         config.replace(train_iters=400).resolve_start()[0].validate(1)
     help_text = " ".join(build_arg_parser().format_help().split())
     assert "--overwrite-save, --no-overwrite-save start over in a save directory that already holds" in help_text
+
+
+def _hf_config(directory, preset_name: str):
+    """An HF directory's config.json of a preset (what pretrained_hf's check reads)."""
+    from megatron_mimesis.models.presets import get_preset
+
+    preset = get_preset(preset_name)
+    preset.family.hf_config(preset).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("model", "hf", "reason"), [
+    ("tiny", "qwen3-tiny", r"model vs checkpoint: family: Qwen3.5 vs Qwen3"),
+    ("qwen3-8b", "qwen3-tiny", r"model vs checkpoint: vocab_size: 151936 vs 512; hidden_size: 4096 vs 64"),
+])
+def test_pretrained_hf_of_another_model_is_refused_naming_the_difference(tmp_path, model, hf, reason):
+    """The family of pretrained_hf is read from its config.json (model_type): a checkpoint that is not the model the
+    run builds fails validation in one line, before anything starts."""
+    hf_dir = _hf_config(tmp_path / "HF", hf)
+    with pytest.raises(ConfigError, match=rf"^pretrained_hf: {hf_dir} is not the model '{model}' \({reason}"):
+        TrainConfig(data_path=str(tmp_path), model=model, pretrained_hf=str(hf_dir)).validate(1)
+    TrainConfig(data_path=str(tmp_path), model=hf, pretrained_hf=str(hf_dir)).validate(1)
 
 
 def test_resume_with_another_schedule_is_refused_with_the_reason(tmp_path):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from megatron_mimesis.models.presets import TINY_PRESETS
 from megatron_mimesis.rl.config import RLConfig
 from megatron_mimesis.rl.envs import ENVS
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, ConfigError, Range
@@ -28,7 +29,7 @@ class AgentRLConfig(RLConfig):
     train_split: str = "train"
     tasks_per_step: int = 16
     max_agent_turns: int = 30  # agent generations per episode, tool calls included
-    thinking: bool = True  # the agent's own thinking (Qwen3.5 thinking template)
+    thinking: bool = True  # the agent's own thinking (its family's thinking template: enable_thinking)
     gamma: float = 0.8  # reward-to-go discount over agent turns
     # the frozen user simulator. openai: OpenAIUserModel keyword arguments (e.g. a `vllm serve` of the simulator);
     # local: {"load": HF or dist checkpoint directory, "thinking", "max_new_tokens", "temperature", "stop_marker"}
@@ -56,10 +57,33 @@ class AgentRLConfig(RLConfig):
 
     def validate_without_files(self, world_size: int) -> None:
         super().validate_without_files(world_size)
-        if self.user_model == "local" and self.model != "tiny":
+        if self.user_model == "local" and self.model not in TINY_PRESETS:
             raise ConfigError(f"user_model=local decodes the simulator with the local engine (no KV cache, full "
-                              f"[tokens, vocab] logits per token): tiny preset only, not {self.model!r}; serve the "
-                              f"simulator (vllm serve) and use user_model=openai")
+                              f"[tokens, vocab] logits per token): tiny presets only {TINY_PRESETS}, not "
+                              f"{self.model!r}; serve the simulator (vllm serve) and use user_model=openai")
+
+    def _check_local_user_model(self, load: str) -> None:
+        """A local user model runs in the agent's processes with the agent's architecture, layout and tokenizer:
+        a simulator of another family, or with another tokenizer, is served (user_model=openai) instead."""
+        from data_prep.tokenizer import tokenizer_sha256
+        from megatron_mimesis.checkpoint.reader import CheckpointError, saved_model
+        from megatron_mimesis.models.presets import architecture_differences
+
+        try:
+            preset, tokenizer = saved_model(load)
+        except (CheckpointError, FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"user_model_options.load: {exc}") from None
+        serve = "serve it (vllm serve) and use user_model=openai"
+        diff = architecture_differences(self.preset, preset)
+        if diff:
+            raise ConfigError(f"user_model_options.load: {load} is another model than the agent's (agent vs user "
+                              f"model: {'; '.join(diff)}); {serve}")
+        if tokenizer is None:
+            raise ConfigError(f"user_model_options.load: {load} carries no tokenizer to check against the agent's "
+                              f"{self.tokenizer}; {serve}")
+        if tokenizer_sha256(Path(tokenizer)) != tokenizer_sha256(Path(self.tokenizer)):
+            raise ConfigError(f"user_model_options.load: {load} has another tokenizer ({tokenizer}) than the agent's "
+                              f"({self.tokenizer}); {serve}")
 
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
@@ -81,6 +105,7 @@ class AgentRLConfig(RLConfig):
             load = self.user_model_options.get("load")
             if not load or not Path(load).exists():
                 raise ConfigError(f"user_model=local needs user_model_options.load: a checkpoint directory, not {load!r}")
+            self._check_local_user_model(load)
         if self.coach not in COACHES:
             raise ConfigError(f"coach must be one of {COACHES}, not {self.coach!r}")
         if self.coach == "openai" and not {"base_url", "model"} <= set(self.coach_options):

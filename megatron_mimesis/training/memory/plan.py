@@ -26,9 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_mimesis.training.memory.activations import (
-    ATTENTION,
-    DELTANET,
-    LAYER_NAMES,
     Activations,
     MeasureSpec,
     lm_head,
@@ -301,9 +298,9 @@ def _activations(table: _Table, config, workload: Workload, acts: Activations, s
     gradients (or the embedding's weight gradient) while its backward runs, after the loss's are freed."""
     tokens = workload.tokens // config.context_parallel_size
     held, working = layer_activation_bytes(config, acts, stage, tokens)
-    for kind in (DELTANET, ATTENTION):
-        if held[kind]:
-            table.add(f"activations: {LAYER_NAMES[kind]}s", column, held[kind], _MEASURED, "activations")
+    for kind, name in config.preset.family.layer_kinds.items():
+        if held.get(kind):
+            table.add(f"activations: {name}s", column, held[kind], _MEASURED, "activations")
     edges = sum(acts.embedding.at(tokens) for c in stage.in_flight if stage.chunks[c].embeds)
     edges += sum(acts.head.at(tokens) for c in stage.in_flight if stage.chunks[c].computes_loss)
     if edges:
@@ -334,7 +331,7 @@ def layer_activation_bytes(config, acts: Activations, stage: StageStates, tokens
     full recompute a checkpointed group keeps only its input (megatron's ``CheckpointFunction`` saves its
     arguments): "uniform" checkpoints every group of recompute_num_layers layers, "block" the first
     recompute_num_layers layers of each chunk one by one; a group's activations come back during its backward."""
-    held = {DELTANET: 0.0, ATTENTION: 0.0}
+    held = dict.fromkeys(acts.layers, 0.0)
     full = {kind: fit.at(tokens) for kind, fit in acts.layers.items()}
     checkpointed_input = acts.layer_input_per_token * tokens
     groups = [group for chunk in stage.chunks for group in _checkpoint_groups(config, chunk.layers)[0]]
@@ -400,12 +397,13 @@ def _notes(config, workload: Workload, stages: list[StageStates], columns: list[
     for stage, column in zip(stages, columns, strict=False):
         loss, layer = temporaries[column]
         notes.append(f"{column}: backward temporaries: the loss's {loss / GIB:.2f}, one layer's {layer / GIB:.2f} GiB")
-        passes = {kind: sum(stage.chunks[c].layers.count(kind) for c in stage.in_flight) for kind in LAYER_NAMES}
+        counts = {name: sum(stage.chunks[c].layers.count(kind) for c in stage.in_flight)
+                  for kind, name in config.preset.family.layer_kinds.items()}
+        passes = " + ".join(f"{n} {name}{'s' * (n != 1)}" for name, n in counts.items())
         flight = len(stage.in_flight)
         chunk = " (one model chunk each)" if len(stage.chunks) > 1 else ""
         notes.append(f"{column}: {flight} forward pass{'es' if flight > 1 else ''}{chunk} held at the first backward "
-                     f"(megatron's schedule), {passes[DELTANET]} DeltaNet + {passes[ATTENTION]} attention layer "
-                     f"passes of {workload.tokens // config.context_parallel_size} tokens")
+                     f"(megatron's schedule): {passes} of {workload.tokens // config.context_parallel_size} tokens")
     enabled = [name for name, on in gpu_run_fusions().items() if on]
     notes.append(f"activations as on a GPU with Transformer Engine and fla, fusions {', '.join(enabled)}; megatron's "
                  f"torch.compile'd GDN and output-gate helpers measured eagerly (an upper bound)")

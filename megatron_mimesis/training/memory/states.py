@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mimesis.training.memory.activations import layer_kind
 from megatron_mimesis.training.memory.world import rank_of_world
 
 ADAM_MOMENTS_BYTES = 8  # exp_avg and exp_avg_sq, fp32 each
@@ -119,7 +118,8 @@ def _shard_elements(buffer) -> int:
 
 
 def _chunk(chunk, preset) -> Chunk:
-    layers = tuple(layer_kind(preset.layer_types()[layer.layer_number - 1]) for layer in chunk.decoder.layers)
+    kinds = preset.family.layer_kind_of(preset)
+    layers = tuple(kinds[layer.layer_number - 1] for layer in chunk.decoder.layers)
     rows = _output_weight(chunk).shape[0] if chunk.post_process else 0
     return Chunk(layers=layers, embeds=chunk.pre_process, computes_loss=chunk.post_process, vocab_rows=rows)
 

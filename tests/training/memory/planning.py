@@ -20,7 +20,6 @@ def whole_model_counts(presets: list[str], tps: list[int], pps: list[int]) -> di
     """(preset, TP, PP) -> the parameters the plan counts in the whole model, summed over the pipeline stages of
     one rank each, for every valid layout; and preset -> transformers' count of the same text model."""
     import torch
-    from transformers import Qwen3_5ForCausalLM
 
     from megatron_mimesis.models.config import ParallelConfig, validate_layout
     from megatron_mimesis.models.presets import get_preset
@@ -32,7 +31,7 @@ def whole_model_counts(presets: list[str], tps: list[int], pps: list[int]) -> di
     for name in presets:
         preset = get_preset(name)
         with torch.device("meta"):
-            hf[name] = sum(p.numel() for p in Qwen3_5ForCausalLM(preset.to_hf_config()).parameters())
+            hf[name] = sum(p.numel() for p in preset.family.hf_model(preset).parameters())
         for tp in tps:
             for pp in pps:
                 try:
@@ -111,7 +110,6 @@ def checkpointed_block(method: str, layers: int, tokens: int) -> tuple[int, floa
 
     from megatron_mimesis.data.collate import packed_seq_params
     from megatron_mimesis.models.config import ParallelConfig, transformer_config
-    from megatron_mimesis.models.layer_specs import block_spec
     from megatron_mimesis.training.config import TrainConfig
     from megatron_mimesis.training.memory.activations import measure
     from megatron_mimesis.training.memory.gpu_kernels import gpu_saved_sets
@@ -134,7 +132,7 @@ def checkpointed_block(method: str, layers: int, tokens: int) -> tuple[int, floa
         config = transformer_config(run.preset, ParallelConfig(), params_dtype=torch.bfloat16,
                                     perform_initialization=False, recompute_granularity="full",
                                     recompute_method=method, recompute_num_layers=layers, **gpu_run_fusions())
-        block = TransformerBlock(config, block_spec(config, "local"), post_layer_norm=False)
+        block = TransformerBlock(config, run.preset.family.block_spec(config, "local"), post_layer_norm=False)
         rotary = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=run.preset.rotary_percent,
                                  rotary_base=int(run.preset.rotary_base), use_cpu_initialization=True)
         freqs = rotary(tokens, packed_seq=True)

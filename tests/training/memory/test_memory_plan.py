@@ -9,15 +9,20 @@ from tests.multiproc import run_distributed
 from tests.training.memory import planning
 
 NINE_B_TEXT_PARAMETERS = 8_953_803_264  # Qwen3.5-9B without the MTP layer (DESIGN.md: 8.95B)
+QWEN3_8B_PARAMETERS = 8_190_735_360  # Qwen3-8B as released (DESIGN.md: 8.19B, norms included)
+PLANNED = ["tiny", "4b", "9b", "qwen3-tiny", "qwen3-4b", "qwen3-8b"]
 
 
 def test_the_plan_counts_every_preset_whole_at_every_tp_and_pp(planner):
     """Each stage's shard, built by megatron for one rank, adds up (TP shards times TP, replicated tensors once, no
-    vocabulary padding, 4B's tied output layer once) to transformers' model, at TP 1/2/4/8 x PP 1/2/4."""
-    result = planner.submit(planning.whole_model_counts, ["tiny", "4b", "9b"], [1, 2, 4, 8], [1, 2, 4]).result()
+    vocabulary padding, a tied output layer once) to transformers' model, at TP 1/2/4/8 x PP 1/2/4, for both
+    families."""
+    result = planner.submit(planning.whole_model_counts, PLANNED, [1, 2, 4, 8], [1, 2, 4]).result()
     assert result["hf"]["9b"] == NINE_B_TEXT_PARAMETERS
-    assert {key[0] for key in result["plan"]} == {"tiny", "4b", "9b"}
+    assert result["hf"]["qwen3-8b"] == QWEN3_8B_PARAMETERS
+    assert {key[0] for key in result["plan"]} == set(PLANNED)
     assert len([key for key in result["plan"] if key[0] == "9b"]) == 12  # every layout is valid for 9B
+    assert len([key for key in result["plan"] if key[0] == "qwen3-8b"]) == 12  # and for Qwen3-8B
     wrong = {key: count for key, count in result["plan"].items() if count != result["hf"][key[0]]}
     assert not wrong
 
@@ -58,14 +63,17 @@ def test_state_bytes_equal_a_real_tiny_runs_sharded_states(planner):
     assert all(stage["optimizer"] > 0 for stage in planned)
 
 
-@pytest.mark.parametrize("preset, tp, head", [("9b", 4, "lm"), ("tiny", 2, "policy")])
+@pytest.mark.parametrize("preset, tp, head", [("9b", 4, "lm"), ("tiny", 2, "policy"), ("qwen3-8b", 4, "policy")])
 def test_activation_fits_predict_the_bytes_measured_at_another_length(planner, preset, tp, head):
     """The plan scales what it measured at two short rows to any length; here it is checked against the saved tensors
-    of the same real modules measured at a third length (9B at the paper's TP=4 with the LM loss, tiny at TP=2 with
-    the GRPO + CSD + KL loss): every layer kind, the embedding and the head agree to the byte."""
+    of the same real modules measured at a third length (9B at the paper's TP=4 with the LM loss, tiny at TP=2 and
+    Qwen3-8B at TP=4 with the GRPO + CSD + KL loss): every layer kind, the embedding and the head agree to the
+    byte."""
+    from megatron_mimesis.models.presets import get_preset
+
     third = 5 * 32 * tp  # measurement_lengths: 64 and 128 tokens per TP rank
     result = planner.submit(planning.activations_at_another_length, preset, tp, head, third).result()
-    assert set(result) == {"deltanet", "attention", "embedding", "head"}
+    assert set(result) == {*get_preset(preset).family.layer_kinds, "embedding", "head"}
     for name, (planned, measured) in result.items():
         assert measured > 0 and planned == pytest.approx(measured, abs=0.5), name
 
