@@ -88,7 +88,7 @@ def _trainer_and_engine(hf_dir, tokenizer, state_dtype: str, max_model_len: int)
         options = {**CPU_TINY_OPTIONS, "max_model_len": max_model_len, "max_num_batched_tokens": max_model_len}
     engine = VLLMEngine(preset, tokenizer, 1, {"seed": 0, **options}, state_dtype)
     sync_weights(engine, [model], preset, provider.padded_vocab_size)
-    return model, engine, device
+    return model, engine, device, preset
 
 
 def _mismatch(trainer: list[list[float]], engine: list[list[float]]) -> dict:
@@ -108,15 +108,16 @@ def _measure(parent_pid: int, state_dtype: str, args: dict, result_path: str) ->
     die_with_parent(parent_pid)
     from transformers import AutoTokenizer
 
+    from megatron_mimesis.rl.agent.agent_chat import agent_chat
     from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner
-    from megatron_mimesis.rl.chat import ChatRenderer
     from megatron_mimesis.rl.envs.toy import ToySuite, toy_user
     from megatron_mimesis.rl.types import SamplingParams
     from megatron_mimesis.rl.update.scoring import score_rows
 
     tokenizer = AutoTokenizer.from_pretrained(args["tokenizer"])
     longest = max(args["lengths"])
-    model, engine, device = _trainer_and_engine(args["hf"], tokenizer, state_dtype, max_model_len=longest + 1024)
+    model, engine, device, preset = _trainer_and_engine(args["hf"], tokenizer, state_dtype,
+                                                        max_model_len=longest + 1024)
     out = {"state": engine.deltanet_state_dtypes(), "lengths": {}, "turns": {}}
     rng = random.Random(0)
     prompts = [[rng.randrange(len(tokenizer)) for _ in range(8)] for _ in range(args["rollouts"])]
@@ -132,7 +133,8 @@ def _measure(parent_pid: int, state_dtype: str, args: dict, result_path: str) ->
         if length > TAIL:
             out["lengths"][length]["tail"] = _mismatch([t[-TAIL:] for t in trainer], [s[-TAIL:] for s in sampled])
     suite = ToySuite()
-    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=False), toy_user(patience=args["turns"]),
+    runner = AgentEpisodeRunner(engine, agent_chat(preset.family.chat, tokenizer, thinking=False),
+                                toy_user(patience=args["turns"]),
                                 SamplingParams(max_new_tokens=args["turn_tokens"], temperature=1.0), args["turns"])
     episodes = runner.run(suite, suite.task_ids("train")[:1], args["rollouts"], step_seed=0)
     for t in range(max(len(e.turns) for e in episodes)):

@@ -144,7 +144,8 @@ def parse_args(argv):
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="per agent generation")
     parser.add_argument("--temperature", type=float, default=0.0, help="agent sampling temperature (0: greedy)")
     parser.add_argument("--agent-thinking", action=argparse.BooleanOptionalAction, default=True,
-                        help="render agent prompts with the Qwen3.5 thinking template (as agent RL trains)")
+                        help="render agent prompts with thinking on, in the agent family's thinking template (as "
+                             "agent RL trains)")
     parser.add_argument("--user-max-new-tokens", type=int, default=1024, help="per user turn (hf and openai users)")
     parser.add_argument("--user-temperature", type=float, default=1.0, help="user model sampling temperature")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory for every agent and hf user (default: the "
@@ -202,10 +203,10 @@ def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[
           tqdm(total=len(agents) * len(users) * episodes_per_pair, unit="episode", desc="eval",
                disable=args.no_progress, dynamic_ncols=True) as bar):
         for agent in agents:
-            engine, tokenizer = build_agent(agent, args.seed, args.request_timeout, args.concurrency)
+            player = build_agent(agent, args.seed, args.request_timeout, args.concurrency)
             for user in users:
                 bar.set_postfix_str(f"{agent.name} x {user.name}")
-                episodes = run_pair(engine, tokenizer, user_models[user.name], suite, task_ids, settings)
+                episodes = run_pair(player, user_models[user.name], suite, task_ids, settings)
                 pair = score_pair(agent.name, user.name, episodes, task_ids)
                 pairs.append(pair)
                 for record in episode_records(agent.name, user.name, episodes):
@@ -214,7 +215,7 @@ def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[
                 bar.update(len(episodes))
                 tqdm.write(f"{agent.name} x {user.name}: score {_cell(pair['score'], 3)} "
                            f"({pair['n_scored']}/{pair['n_episodes']} episodes scored)", file=sys.stderr)
-            del engine  # free its model before the next agent's is loaded
+            del player  # free its model before the next agent's is loaded
     return pairs
 
 

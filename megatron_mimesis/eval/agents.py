@@ -15,6 +15,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from megatron_mimesis.models.presets import FAMILIES, FIRST_FAMILY, preset_from_hf_dir
+from megatron_mimesis.rl.agent.agent_chat import agent_chat
 from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, score_episodes
 from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer
@@ -95,14 +97,35 @@ def parse_specs(texts: list[str], role: str, kinds: tuple[str, ...], env: str, t
 
 
 # --------------------------------------------------------------------------- building the players
-def build_agent(spec: Spec, seed: int, request_timeout: float, concurrency: int):
-    """(engine, tokenizer) of an agent; an endpoint's failed requests come back as error generations, so that
-    the episodes they hit are counted as failed rather than ending the evaluation."""
+@dataclass(frozen=True)
+class Agent:
+    engine: object
+    tokenizer: object
+    chat_format: object  # its family's ChatFormat: how its contexts are written and its turns read
+
+
+def agent_chat_format(spec: Spec):
+    """The agent's family, read from the ``config.json`` of its checkpoint (hf), or of the served model's directory
+    or its tokenizer's (openai); a tokenizer alone, with no config beside it, is the project's first family's."""
+    where = [spec.target] if spec.kind == "hf" else [spec.model, spec.tokenizer]
+    for directory in where:
+        if directory and (Path(directory) / "config.json").is_file():
+            try:
+                return preset_from_hf_dir(directory).family.chat
+            except ValueError as exc:
+                raise EvalError(f"--agent {spec.name}: {exc}") from None
+    return FAMILIES[FIRST_FAMILY].chat
+
+
+def build_agent(spec: Spec, seed: int, request_timeout: float, concurrency: int) -> Agent:
+    """The engine, tokenizer and chat format of an agent; an endpoint's failed requests come back as error
+    generations, so that the episodes they hit are counted as failed rather than ending the evaluation."""
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
+    chat_format = agent_chat_format(spec)
     if spec.kind == "hf":
-        return HFEngine.from_pretrained(spec.target, tokenizer=tokenizer, seed=seed), tokenizer
-    return OpenAICompletionsEngine(spec.target, spec.model, tokenizer, timeout_s=request_timeout,
-                                   concurrency=concurrency, seed=seed, errors="return"), tokenizer
+        return Agent(HFEngine.from_pretrained(spec.target, tokenizer=tokenizer, seed=seed), tokenizer, chat_format)
+    return Agent(OpenAICompletionsEngine(spec.target, spec.model, tokenizer, timeout_s=request_timeout,
+                                         concurrency=concurrency, seed=seed, errors="return"), tokenizer, chat_format)
 
 
 def build_user(spec: Spec, max_new_tokens: int, temperature: float, request_timeout: float, concurrency: int,
@@ -131,10 +154,10 @@ class EpisodeSettings:
 
 
 # --------------------------------------------------------------------------- one agent x user pair
-def run_pair(engine, tokenizer, user_model, suite, task_ids: list[str], settings: EpisodeSettings):
+def run_pair(agent: Agent, user_model, suite, task_ids: list[str], settings: EpisodeSettings):
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
-    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=settings.agent_thinking), user_model,
-                                sampling, settings.max_agent_turns)
+    chat = agent_chat(agent.chat_format, agent.tokenizer, thinking=settings.agent_thinking)
+    runner = AgentEpisodeRunner(agent.engine, chat, user_model, sampling, settings.max_agent_turns)
     return runner.run(suite, task_ids, rollouts_per_task=settings.trials, step_seed=settings.seed)
 
 
@@ -166,6 +189,7 @@ def episode_records(agent: str, user: str, episodes: list) -> list[dict]:
             "agent": agent, "user": user, "task_id": task_id, "trial": trials[task_id] - 1, "status": status,
             "termination": episode.termination, "reward": episode_reward(episode),
             "turn_rewards": episode.turn_rewards, "agent_finish_reasons": [t.finish_reason for t in episode.turns],
+            "unparsed_tool_calls": episode.unparsed_tool_calls,
             "score_info": episode.score_info, "messages": episode.messages,
         })
     return records

@@ -177,11 +177,10 @@ def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, suc
     """The agent's episodes against this simulator on the real users' tasks; returns the episode records."""
     from megatron_mimesis.eval.agents import episode_records, run_pair, score_pair
 
-    engine, tokenizer = agent
     task_ids = sorted(real)
     if progress:
         tqdm.write(f"{row.name}: {len(task_ids) * settings.trials} agent episodes")
-    episodes = run_pair(engine, tokenizer, simulator.user_model(), suite, task_ids, settings)
+    episodes = run_pair(agent, simulator.user_model(), suite, task_ids, settings)
     pair = score_pair("agent", row.name, episodes, task_ids)
     row.calibration = {**calibration_row(pair, real, success_reward), "failures": pair["failures"]}
     return episode_records("agent", row.name, episodes)

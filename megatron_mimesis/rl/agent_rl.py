@@ -73,18 +73,17 @@ class AgentRL(RLLoop):
     headline = ("reward_mean", "pg_loss", "csd_gate_mean")
 
     def __init__(self, config: AgentRLConfig):
+        from megatron_mimesis.rl.agent.agent_chat import agent_chat
         from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner
-        from megatron_mimesis.rl.chat import ChatRenderer
         from megatron_mimesis.rl.types import SamplingParams
 
         super().__init__(config)
         c = config
         self.suite = build_suite(c.env, c.env_options)
         self.sampler = TaskSampler(self.suite.task_ids(c.train_split), c.seed)
-        self.renderer = ChatRenderer(self.tokenizer, thinking=c.thinking)
+        self.chat = agent_chat(c.preset.family.chat, self.tokenizer, thinking=c.thinking)
         self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p)
-        self.runner = AgentEpisodeRunner(self.engine, self.renderer, self._user_model(), self.sampling,
-                                         c.max_agent_turns)
+        self.runner = AgentEpisodeRunner(self.engine, self.chat, self._user_model(), self.sampling, c.max_agent_turns)
         self.coach = self._coach() if c.csd_alpha else None
         self.coach_template = None
         if self.coach is not None:
@@ -123,7 +122,7 @@ class AgentRL(RLLoop):
         if c.coach == "policy":
             from dataclasses import replace
 
-            return EngineCoach(self.engine, self.renderer, replace(self.sampling, max_new_tokens=c.coach_max_new_tokens))
+            return EngineCoach(self.engine, self.chat, replace(self.sampling, max_new_tokens=c.coach_max_new_tokens))
         return OpenAICoach(**c.coach_options)
 
     # ------------------------------------------------------------------ one step
@@ -146,7 +145,7 @@ class AgentRL(RLLoop):
         from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
-        prompts = [coach_prompt(episode, t, self.coach_template) for _, episode, t in rows]
+        prompts = [coach_prompt(self.chat, episode, t, self.coach_template) for _, episode, t in rows]
         if c.coach == "policy":  # the engine is collective over the model-parallel group: every rank generates
             self.engine.wake()
             notes = self.coach.notes_many(prompts)
@@ -154,12 +153,12 @@ class AgentRL(RLLoop):
         else:
             notes = on_group_leader(lambda: self.coach.notes_many(prompts), self.mp_group)
         coached = [k for k, n in enumerate(notes) if n.note is not None]
-        contexts = {k: teacher_context(self.renderer, rows[k][1], rows[k][2], notes[k].note) for k in coached}
+        contexts = {k: teacher_context(self.chat, rows[k][1], rows[k][2], notes[k].note) for k in coached}
         scored = score_rows(self.trainer.model, [(contexts[k], rows[k][0].response_ids) for k in coached],
                             c.max_tokens_per_microbatch, self.device)
         if c.csd_placebo and coached:
             placebo = score_rows(self.trainer.model, [
-                (teacher_context(self.renderer, rows[k][1], rows[k][2], c.placebo_note), rows[k][0].response_ids)
+                (teacher_context(self.chat, rows[k][1], rows[k][2], c.placebo_note), rows[k][0].response_ids)
                 for k in coached], c.max_tokens_per_microbatch, self.device)
             scored = [placebo_corrected(t_row, p_row, rows[k][0].response_logprobs)
                       for k, t_row, p_row in zip(coached, scored, placebo, strict=True)]
@@ -239,6 +238,7 @@ def _summary(episode) -> dict:
             "reward": sum(episode.turn_rewards) if scored else None,
             "termination": episode.termination.split(":")[0], "turns": len(episode.turns),
             "tool_calls": sum(len(m.get("tool_calls", [])) for m in episode.messages),
+            "unparsed_tool_calls": episode.unparsed_tool_calls,
             "response_tokens": sum(len(t.response_ids) for t in episode.turns)}
 
 
@@ -249,6 +249,7 @@ def _rollout_metrics(summaries) -> dict:
         "reward_mean": mean([s["reward"] for s in scored]), "reward_std": std([s["reward"] for s in scored]),
         "turns_mean": mean([s["turns"] for s in summaries]),
         "tool_calls_mean": mean([s["tool_calls"] for s in summaries]),
+        "unparsed_tool_calls": sum(s["unparsed_tool_calls"] for s in summaries),
         "response_tokens_per_turn": mean([s["response_tokens"] / max(s["turns"], 1) for s in summaries]),
     }
     for reason, count in Counter(s["termination"] for s in summaries).items():

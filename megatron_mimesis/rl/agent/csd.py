@@ -6,9 +6,10 @@ the teacher likes.
 For turn t the coach sees G(H_t, y_t, z_t, x_{t+1}): the public history the agent saw, the agent's message,
 the user's next private thinking and next utterance (``templates/coach_note.txt``, filled with
 ``string.Template``). The note is appended to the teacher's system message under ``NOTE_HEADER``; the rest of
-the teacher's context is the student's, rendered the same way, so the teacher scores identical token ids
-after a context that differs only by the note. Notes exist only after the rollouts of a step and only in
-teacher contexts; ``episodes.check_agent_context`` refuses any agent context carrying the header.
+the teacher's context is the student's, rendered the same way by the agent's chat format (``agent_chat.py``), so the
+teacher scores identical token ids after a context that differs only by the note. Notes exist only after the
+rollouts of a step and only in teacher contexts; ``agent_chat.check_agent_context`` refuses any agent context
+carrying the header.
 
 A coach failure (an error, an empty note) drops that turn's CSD term and is counted; it never becomes a made-up
 note. In the loss a dropped turn's teacher log-probs are -inf, which closes its gate exactly (g = 0).
@@ -24,9 +25,9 @@ from typing import Protocol
 
 import openai
 
-from megatron_mimesis.rl.agent.episodes import NOTE_HEADER, AgentEpisode, agent_view
-from megatron_mimesis.rl.agent.tool_calls import format_tool_calls
-from megatron_mimesis.rl.chat import ChatRenderer, strip_thinking
+from megatron_mimesis.rl.agent.agent_chat import shown
+from megatron_mimesis.rl.agent.episodes import AgentEpisode
+from megatron_mimesis.rl.chat import strip_thinking
 from megatron_mimesis.rl.engines.protocol import RolloutEngine
 from megatron_mimesis.rl.types import SamplingParams
 
@@ -46,16 +47,17 @@ class Coach(Protocol):
         ...
 
 
-def coach_prompt(episode: AgentEpisode, turn_index: int, template: str) -> str:
+def coach_prompt(chat, episode: AgentEpisode, turn_index: int, template: str) -> str:
+    """The coach's prompt for one agent turn; ``chat`` (the agent's chat format) writes the tool calls as the agent
+    wrote them. The history is the public transcript the agent saw (its system prompt is the coach's to know)."""
     turn = episode.turns[turn_index]
-    history = agent_view(episode.task, episode.messages[:turn.message_index])[1:]  # the system prompt is known
-    message = episode.messages[turn.message_index]
-    agent_message = "\n\n".join(p for p in (message["content"], format_tool_calls(message.get("tool_calls", [])))
-                                if p)
+    history = [f"[{m['role']}] {shown(m, chat.calls) if m['role'] == 'assistant' else m['content']}"
+               for m in episode.messages[:turn.message_index]]
     thinking, reply = episode.user_reaction(turn)
     return string.Template(template).substitute(
-        history="\n\n".join(f"[{m['role']}] {m['content']}" for m in history) or "(nothing yet)",
-        agent_message=agent_message or "(empty)", user_thinking=thinking or "(none)",
+        history="\n\n".join(history) or "(nothing yet)",
+        agent_message=shown(episode.messages[turn.message_index], chat.calls) or "(empty)",
+        user_thinking=thinking or "(none)",
         user_reply=reply or "(the conversation ended)")
 
 
@@ -90,15 +92,16 @@ class OpenAICoach:
 
 
 class EngineCoach:
-    """The coach sampled by a rollout engine (e.g. the policy's own engine: the agent coaching itself)."""
+    """The coach sampled by a rollout engine (e.g. the policy's own engine: the agent coaching itself), in the
+    engine's model's chat format."""
 
-    def __init__(self, engine: RolloutEngine, renderer: ChatRenderer, sampling: SamplingParams):
-        self.engine, self.renderer = engine, renderer
-        self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
+    def __init__(self, engine: RolloutEngine, chat, sampling: SamplingParams):
+        self.engine, self.chat = engine, chat
+        self.sampling = replace(sampling, stop_token_ids=chat.stop_token_ids)
 
     def notes_many(self, prompts: list[str]) -> list[NoteResult]:
-        contexts = [self.renderer.assistant_prompt([{"role": "user", "content": p}]) for p in prompts]
-        return [_note(self.renderer.split_thinking(g.text)[1]) for g in self.engine.generate(contexts, self.sampling)]
+        contexts = [self.chat.prompt([{"role": "user", "content": p}]) for p in prompts]
+        return [_note(self.chat.read(g.text, "coach").text) for g in self.engine.generate(contexts, self.sampling)]
 
 
 class ScriptedCoach:
@@ -111,12 +114,11 @@ class ScriptedCoach:
         return [NoteResult(None, "scripted failure") if (n := self.fn(p)) is None else _note(n) for p in prompts]
 
 
-def teacher_context(renderer: ChatRenderer, episode: AgentEpisode, turn_index: int, note: str) -> list[int]:
-    """The student's context for the turn with ``note`` appended to the system message."""
+def teacher_context(chat, episode: AgentEpisode, turn_index: int, note: str) -> list[int]:
+    """The student's context for the turn, rendered by the agent's chat format, with ``note`` appended to the
+    system message."""
     turn = episode.turns[turn_index]
-    view = agent_view(episode.task, episode.messages[:turn.message_index])
-    view[0] = {"role": "system", "content": f"{view[0]['content']}\n\n{NOTE_HEADER}\n{note}"}
-    return renderer.assistant_prompt(view)
+    return chat.context(episode.task, episode.messages[:turn.message_index], episode.agent_thinking, note=note)
 
 
 def placebo_corrected(teacher: list[float], placebo: list[float], student: list[float]) -> list[float]:

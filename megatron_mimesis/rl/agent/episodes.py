@@ -8,10 +8,14 @@ which then moves again; a message without tool calls hands the turn to the user.
 user writes its stop marker ("user_stop"), after ``max_agent_turns`` agent generations ("max_turns"), or
 when the user model or an endpoint agent fails ("error: ...", not scored and counted by the caller).
 
+The agent's contexts are written, and its generations read, in its family's chat format (``agent_chat.py``); each
+generation's row is exactly the ids the engine got and the ids it generated.
+
 Privileged information has one way in. The user's thinking is stored beside the transcript (``user_thinking``),
-never in a message; the coach's notes (``csd.py``) exist only after rollouts; and every agent context is
-checked on the way into the engine (``check_agent_context``): public messages only, no think markers from the
-user, no coach-note header. A violation is a hard error, since a leak would silently train on privileged text.
+never in a message; the agent's own thinking likewise (``agent_thinking``), shown back to the agent only where its
+format does; the coach's notes (``csd.py``) exist only after rollouts; and every agent context is checked on the way
+into the engine (``agent_chat.check_agent_context``): no think markers from the user, no coach-note header. A
+violation is a hard error, since a leak would silently train on privileged text.
 """
 
 from collections.abc import Callable
@@ -20,19 +24,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from megatron_mimesis.kernels import discounted_returns
-from megatron_mimesis.rl.agent.tool_calls import (
-    format_tool_calls,
-    format_tool_responses,
-    parse_tool_calls,
-    tools_system_text,
-)
 from megatron_mimesis.rl.agent.user_models import UserModel
-from megatron_mimesis.rl.chat import ChatRenderer, PrivilegedTextLeak, check_public
 from megatron_mimesis.rl.engines.protocol import RolloutEngine
 from megatron_mimesis.rl.envs.base import AgentEnv, EnvSuite, EnvTask
 from megatron_mimesis.rl.types import SamplingParams, TrainingRow
-
-NOTE_HEADER = "# Coach's note"  # opens a coach's note in a teacher context; never allowed in an agent context
 
 
 @dataclass
@@ -52,6 +47,8 @@ class AgentEpisode:
     rollout_id: int
     messages: list[dict] = field(default_factory=list)  # the full record (env.score reads it), no system prompt
     user_thinking: dict[int, str | None] = field(default_factory=dict)  # user message index -> private thinking
+    agent_thinking: dict[int, str | None] = field(default_factory=dict)  # assistant message index -> its thinking
+    unparsed_tool_calls: int = 0  # <tool_call> blocks of the agent's that did not parse as calls
     turns: list[AgentTurn] = field(default_factory=list)
     termination: str = ""
     turn_rewards: list[float] | None = None  # one per agent turn once scored; None when unscored
@@ -65,53 +62,22 @@ class AgentEpisode:
         return None, None
 
 
-def agent_system_text(task: EnvTask) -> str:
-    return task.agent_system_prompt + ("\n\n" + tools_system_text(task.tools) if task.tools else "")
-
-
-def agent_view(task: EnvTask, messages: list[dict]) -> list[dict]:
-    """The public messages an agent context is rendered from: tool calls written out in the Qwen3.5 format,
-    consecutive tool results joined into one user turn of ``<tool_response>`` blocks."""
-    view = [{"role": "system", "content": agent_system_text(task)}]
-    pending: list[str] = []
-    for message in messages:
-        if message["role"] == "tool":
-            pending.append(message["content"])
-            continue
-        if pending:
-            view.append({"role": "user", "content": format_tool_responses(pending)})
-            pending = []
-        content = message["content"]
-        if message.get("tool_calls"):
-            content = "\n\n".join(p for p in (content, format_tool_calls(message["tool_calls"])) if p)
-        view.append({"role": message["role"], "content": content})
-    if pending:
-        view.append({"role": "user", "content": format_tool_responses(pending)})
-    return view
-
-
 def user_view(messages: list[dict]) -> list[dict]:
     """What the user sees: its own utterances and the agent's public text, never tool traffic."""
     return [{"role": m["role"], "content": m["content"]} for m in messages
             if m["role"] == "user" or (m["role"] == "assistant" and m["content"])]
 
 
-def check_agent_context(view: list[dict]) -> None:
-    check_public(view)
-    for index, message in enumerate(view):
-        if NOTE_HEADER in message["content"]:
-            raise PrivilegedTextLeak(f"agent context message {index} ({message['role']}) contains a coach's note")
-
-
 class AgentEpisodeRunner:
-    def __init__(self, engine: RolloutEngine, renderer: ChatRenderer, user_model: UserModel,
-                 sampling: SamplingParams, max_agent_turns: int):
+    def __init__(self, engine: RolloutEngine, chat, user_model: UserModel, sampling: SamplingParams,
+                 max_agent_turns: int):
+        """``chat``: the agent's chat format (``agent_chat.agent_chat``)."""
         if max_agent_turns < 1:
             raise ValueError(f"max_agent_turns must be at least 1, got {max_agent_turns}")
         self.engine = engine
-        self.renderer = renderer
+        self.chat = chat
         self.user_model = user_model
-        self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
+        self.sampling = replace(sampling, stop_token_ids=chat.stop_token_ids)
         self.max_agent_turns = max_agent_turns
 
     def run(self, suite: EnvSuite, task_ids: list[str], rollouts_per_task: int, step_seed: int,
@@ -168,10 +134,8 @@ class AgentEpisodeRunner:
         return going_on
 
     def _agent_round(self, episodes: list[AgentEpisode], indices: list[int], sampling: SamplingParams):
-        views = [agent_view(episodes[i].task, episodes[i].messages) for i in indices]
-        for view in views:
-            check_agent_context(view)
-        contexts = [self.renderer.assistant_prompt(view) for view in views]
+        contexts = [self.chat.context(episodes[i].task, episodes[i].messages, episodes[i].agent_thinking)
+                    for i in indices]
         generations = self.engine.generate(contexts, sampling)
         if len(generations) != len(indices):
             raise RuntimeError(f"engine returned {len(generations)} generations for {len(indices)} prompts")
@@ -181,11 +145,14 @@ class AgentEpisodeRunner:
             if generation.finish_reason.startswith("error"):  # an endpoint engine that could not answer
                 episode.termination = f"error: agent: {generation.finish_reason}"
                 continue
-            _, public = self.renderer.split_thinking(generation.text)
-            text, calls = parse_tool_calls(public, id_prefix=f"{episode.rollout_id}-{len(episode.turns)}")
+            reply = self.chat.read(generation.text, id_prefix=f"{episode.rollout_id}-{len(episode.turns)}")
+            calls = reply.calls
+            episode.unparsed_tool_calls += reply.unparsed_calls
             episode.turns.append(AgentTurn(len(episode.messages), context, list(generation.token_ids),
                                            list(generation.logprobs), generation.finish_reason))
-            episode.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            episode.agent_thinking[len(episode.messages)] = reply.thinking
+            episode.messages.append({"role": "assistant", "content": reply.text,
+                                     **({"tool_calls": calls} if calls else {})})
             for call in calls:
                 episode.messages.append({"role": "tool", "content": episode.env.call_tool(call), "name": call.name,
                                          "tool_call_id": call.id})

@@ -1,16 +1,24 @@
-"""Qwen3.5's tool-calling text format, for agent contexts and for parsing what the agent generates.
+"""The tool-call text of the agent's family, for agent contexts and for parsing what the agent generates.
 
-The tools are listed in the system message as JSON schemas inside ``<tools>``; a call is written as
-``<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`` (the XML
-format of Qwen3-Coder, which Qwen3.5 uses); tool results go back inside a user turn as
-``<tool_response>\\n...\\n</tool_response>`` blocks. Parameter values that parse as JSON are taken as JSON
-(numbers, lists, objects), anything else as a string, as vLLM's qwen3_coder parser does. A ``<tool_call>``
-block without a well-formed ``<function=...>`` is not a call: it stays in the message text, which is what a
-deployed parser would show the user.
+Two formats, named as vLLM's OpenAI server names their parsers (``--tool-call-parser``); a family says which its
+chat template writes (``ChatFormat.tool_call_parser``):
+
+* ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): ``<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n
+  </function>\\n</tool_call>``. Parameter values that parse as JSON are taken as JSON (numbers, lists, objects),
+  anything else as a string, as vLLM's qwen3_coder parser does. The tools are listed in the system message as JSON
+  schemas inside ``<tools>`` (:func:`tools_system_text`) and results go back inside a user turn as
+  ``<tool_response>\\n...\\n</tool_response>`` blocks.
+* ``hermes`` (Qwen2.5, Qwen3): ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``, one JSON object per
+  block (``arguments`` may also be a JSON string, as some servers write it).
+
+A ``<tool_call>`` block that does not parse as its format's call is not a call: it stays in the message text, which
+is what a deployed parser would show the user, and is counted (``unparsed``), so a policy that drifts into
+malformed calls shows in the metrics rather than as a silent loss of its tool use.
 """
 
 import json
 import re
+from dataclasses import dataclass
 
 from megatron_mimesis.rl.envs.base import ToolCall
 
@@ -25,43 +33,90 @@ TOOLS_HEADER = (
 )
 
 
+@dataclass(frozen=True)
+class ParsedCalls:
+    text: str  # the message text without the parsed calls (unparsed blocks stay in it)
+    calls: list[ToolCall]
+    unparsed: int  # <tool_call> blocks that were not a well-formed call
+
+
 def tools_system_text(tools: list[dict]) -> str:
-    """The tool block appended to an agent's system prompt."""
+    """The qwen3_coder tool block appended to an agent's system prompt (a piecewise-rendered context)."""
     return TOOLS_HEADER.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in tools))
 
 
-def format_tool_calls(calls: list[ToolCall]) -> str:
-    blocks = []
-    for call in calls:
-        params = "".join(
-            f"<parameter={name}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
-            for name, value in call.arguments.items()
-        )
-        blocks.append(f"<tool_call>\n<function={call.name}>\n{params}</function>\n</tool_call>")
-    return "\n".join(blocks)
+def format_tool_responses(results: list[str]) -> str:
+    return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
 
 
-def _value(text: str):
+def _json_or_text(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
 
 
-def parse_tool_calls(text: str, id_prefix: str) -> tuple[str, list[ToolCall]]:
-    """Split an agent's public text into ``(message text, calls)``; call ids are ``{id_prefix}-{k}``."""
-    calls = []
+class Qwen3CoderCalls:
+    name = "qwen3_coder"
+
+    @staticmethod
+    def format(calls: list[ToolCall]) -> str:
+        blocks = []
+        for call in calls:
+            params = "".join(
+                f"<parameter={name}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+                for name, value in call.arguments.items()
+            )
+            blocks.append(f"<tool_call>\n<function={call.name}>\n{params}</function>\n</tool_call>")
+        return "\n".join(blocks)
+
+    @staticmethod
+    def call(block: str) -> tuple[str, dict] | None:
+        function = _FUNCTION.match(block)
+        if function is None:
+            return None
+        arguments = {name.strip(): _json_or_text(value) for name, value in _PARAMETER.findall(function.group(2))}
+        return function.group(1).strip(), arguments
+
+
+class HermesCalls:
+    name = "hermes"
+
+    @staticmethod
+    def format(calls: list[ToolCall]) -> str:
+        """As Qwen3's chat template writes them (``tool_call.arguments | tojson``)."""
+        return "\n".join(f'<tool_call>\n{{"name": "{call.name}", "arguments": {json.dumps(call.arguments)}}}\n'
+                         f"</tool_call>" for call in calls)
+
+    @staticmethod
+    def call(block: str) -> tuple[str, dict] | None:
+        try:
+            obj = json.loads(block)
+            arguments = obj.get("arguments", {})
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+        except (json.JSONDecodeError, AttributeError):
+            return None
+        if not isinstance(obj.get("name"), str) or not obj["name"] or not isinstance(arguments, dict):
+            return None
+        return obj["name"], arguments
+
+
+TOOL_CALL_PARSERS = {parser.name: parser for parser in (Qwen3CoderCalls, HermesCalls)}
+
+
+def parse_tool_calls(text: str, id_prefix: str, parser=Qwen3CoderCalls) -> ParsedCalls:
+    """Split an agent's public text into the message text and its calls; call ids are ``{id_prefix}-{k}``."""
+    calls, unparsed = [], 0
 
     def take(match: re.Match) -> str:
-        function = _FUNCTION.match(match.group(1))
-        if function is None:
+        nonlocal unparsed
+        parsed = parser.call(match.group(1))
+        if parsed is None:
+            unparsed += 1
             return match.group(0)
-        arguments = {name.strip(): _value(value) for name, value in _PARAMETER.findall(function.group(2))}
-        calls.append(ToolCall(function.group(1).strip(), arguments, f"{id_prefix}-{len(calls)}"))
+        calls.append(ToolCall(*parsed, f"{id_prefix}-{len(calls)}"))
         return ""
 
-    return _CALL.sub(take, text).strip(), calls
-
-
-def format_tool_responses(results: list[str]) -> str:
-    return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+    text = _CALL.sub(take, text).strip()
+    return ParsedCalls(text, calls, unparsed)

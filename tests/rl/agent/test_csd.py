@@ -7,6 +7,7 @@ import pytest
 import torch
 from megatron_mimesis.kernels import fused_linear_policy_loss
 
+from megatron_mimesis.rl.agent.agent_chat import PiecewiseAgentChat
 from megatron_mimesis.rl.agent.csd import (
     COACH_TEMPLATE,
     NO_GATE,
@@ -18,7 +19,6 @@ from megatron_mimesis.rl.agent.csd import (
     teacher_context,
 )
 from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner
-from megatron_mimesis.rl.chat import ChatRenderer
 from megatron_mimesis.rl.envs.toy import ToySuite, code_of, toy_user
 from megatron_mimesis.rl.types import SamplingParams
 from tests.rl.fakes import IM_END, FakeOpenAIServer, ScriptedEngine, char_tokenizer, ids
@@ -29,38 +29,38 @@ ITEM = SUITE.items[0]
 
 def _episode():
     tokenizer = char_tokenizer()
-    renderer = ChatRenderer(tokenizer, thinking=False)
+    chat = PiecewiseAgentChat(tokenizer, thinking=False)
     engine = ScriptedEngine(tokenizer, [["Sorry, I cannot help with that today."], [f"It is {code_of(ITEM)}"]])
-    runner = AgentEpisodeRunner(engine, renderer, toy_user(), SamplingParams(), max_agent_turns=3)
-    return runner.run(SUITE, ["toy-0"], rollouts_per_task=1, step_seed=0)[0], renderer
+    runner = AgentEpisodeRunner(engine, chat, toy_user(), SamplingParams(), max_agent_turns=3)
+    return runner.run(SUITE, ["toy-0"], rollouts_per_task=1, step_seed=0)[0], chat
 
 
 def test_coach_sees_history_message_and_the_users_private_reaction():
-    episode, _ = _episode()
-    prompt = coach_prompt(episode, 0, COACH_TEMPLATE.read_text())
+    episode, chat = _episode()
+    prompt = coach_prompt(chat, episode, 0, COACH_TEMPLATE.read_text())
     assert f"[user] Hi, what is the code for {ITEM}?" in prompt
     assert "## The agent's message\nSorry, I cannot help with that today." in prompt
     assert f"That was not the code for {ITEM}; I need just the number, briefly." in prompt  # z_t
     assert f"## The user's next message\nPlease, what is the code for {ITEM}?" in prompt  # x_{t+1}
-    last = coach_prompt(episode, 1, COACH_TEMPLATE.read_text())
+    last = coach_prompt(chat, episode, 1, COACH_TEMPLATE.read_text())
     assert "## The user's private thoughts after it\nI got my code." in last
 
 
 def test_teacher_scores_the_identical_tokens_after_a_context_that_only_adds_the_note():
-    episode, renderer = _episode()
+    episode, chat = _episode()
     for t, turn in enumerate(episode.turns):
-        teacher = teacher_context(renderer, episode, t, "Give the code.")
+        teacher = teacher_context(chat, episode, t, "Give the code.")
         end_of_system = turn.context_ids.index(IM_END)
         assert teacher == (turn.context_ids[:end_of_system] + ids("\n\n# Coach's note\nGive the code.")
                            + turn.context_ids[end_of_system:])
     # and the student's context is exactly what the agent was sampled from: no note anywhere
-    assert all("Coach" not in renderer.tokenizer.decode(turn.context_ids) for turn in episode.turns)
+    assert all("Coach" not in chat.tokenizer.decode(turn.context_ids) for turn in episode.turns)
 
 
 def test_coach_failures_are_reported_not_invented():
     coach = ScriptedCoach(lambda prompt: None if "message\nSorry" in prompt else "<think>hmm</think>Be brief.")
-    episode, _ = _episode()
-    notes = coach.notes_many([coach_prompt(episode, t, COACH_TEMPLATE.read_text()) for t in range(2)])
+    episode, chat = _episode()
+    notes = coach.notes_many([coach_prompt(chat, episode, t, COACH_TEMPLATE.read_text()) for t in range(2)])
     assert notes[0].note is None and notes[0].error == "scripted failure"
     assert notes[1].note == "Be brief."  # the coach's own thinking is not part of the note
     with FakeOpenAIServer() as server:

@@ -5,9 +5,10 @@ import pytest
 import torch
 from megatron_mimesis.kernels import foldgrpo_advantages
 
-from megatron_mimesis.rl.agent.episodes import NOTE_HEADER, AgentEpisodeRunner, agent_rows, score_episodes
+from megatron_mimesis.rl.agent.agent_chat import NOTE_HEADER, PiecewiseAgentChat
+from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, agent_rows, score_episodes
 from megatron_mimesis.rl.agent.user_models import ScriptedUserModel
-from megatron_mimesis.rl.chat import ChatRenderer, PrivilegedTextLeak
+from megatron_mimesis.rl.chat import PrivilegedTextLeak
 from megatron_mimesis.rl.envs.toy import ToySuite, code_of, toy_user
 from megatron_mimesis.rl.types import SamplingParams
 from tests.rl.fakes import ScriptedEngine, char_tokenizer
@@ -31,7 +32,7 @@ def _run(agent_texts, user=None, max_agent_turns=3):
     tokenizer = char_tokenizer()
     engine = ScriptedEngine(tokenizer, agent_texts)
     user = user or RecordingUser(toy_user())
-    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=False), user, SamplingParams(),
+    runner = AgentEpisodeRunner(engine, PiecewiseAgentChat(tokenizer, thinking=False), user, SamplingParams(),
                                 max_agent_turns)
     episodes = runner.run(SUITE, ["toy-0"], rollouts_per_task=2, step_seed=3)
     return episodes, engine, user, tokenizer

@@ -5,9 +5,9 @@ tau2's reward 1.0 and one that does not earns 0.0; the tiny megatron model as th
 import torch
 from transformers import AutoTokenizer
 
+from megatron_mimesis.rl.agent.agent_chat import PiecewiseAgentChat
 from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, score_episodes
 from megatron_mimesis.rl.agent.user_models import ScriptedUserModel
-from megatron_mimesis.rl.chat import ChatRenderer
 from megatron_mimesis.rl.envs.tau2 import Tau2Suite
 from megatron_mimesis.rl.types import SamplingParams
 from tests.rl.fakes import ScriptedEngine
@@ -29,7 +29,7 @@ def _user():
 def test_scripted_agents_score_tau2_rewards(tiny_dataset):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dataset / "tokenizer")
     engine = ScriptedEngine(tokenizer, [[UPDATE, "Sorry, I cannot do that."], ["Done, task_1 is completed."]])
-    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=False), _user(), SamplingParams(),
+    runner = AgentEpisodeRunner(engine, PiecewiseAgentChat(tokenizer, thinking=False), _user(), SamplingParams(),
                                 max_agent_turns=4)
     solved, refused = runner.run(Tau2Suite("mock"), ["update_task_1"], rollouts_per_task=2, step_seed=0)
     assert score_episodes([solved, refused]) == {}
@@ -54,7 +54,7 @@ def test_tiny_model_agent_runs_a_mock_episode_scored_by_tau2(tiny_dataset, tiny_
     model, _, _ = build_megatron_from_hf(LazyHFState(tiny_hf_checkpoint), ParallelConfig(),
                                          preset=get_preset("tiny").replace(vocab_size=VOCAB))
     engine = LocalEngine(model, tokenizer, torch.device("cpu"))
-    runner = AgentEpisodeRunner(engine, ChatRenderer(tokenizer, thinking=False), _user(),
+    runner = AgentEpisodeRunner(engine, PiecewiseAgentChat(tokenizer, thinking=False), _user(),
                                 SamplingParams(max_new_tokens=6, seed=1), max_agent_turns=2)
     (episode,) = runner.run(Tau2Suite("mock"), ["update_task_1"], rollouts_per_task=1, step_seed=0)
     assert 1 <= len(episode.turns) <= 2 and all(len(t.response_ids) <= 6 for t in episode.turns)
