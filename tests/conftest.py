@@ -38,15 +38,35 @@ def tiny_dataset(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_checkpoint(tmp_path_factory):
+def _random_hf_checkpoint(directory, preset_name: str):
     from megatron_mimesis.models.presets import get_preset
 
     torch.manual_seed(0)
-    preset = get_preset("tiny").replace(vocab_size=VOCAB)
-    model = preset.family.hf_model(preset)
-    out = tmp_path_factory.mktemp("hf") / "tiny"
-    model.save_pretrained(out)
+    preset = get_preset(preset_name).replace(vocab_size=VOCAB)
+    preset.family.hf_model(preset).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    return _random_hf_checkpoint(tmp_path_factory.mktemp("hf") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_hf_checkpoint(tmp_path_factory):
+    """The tiny Qwen3 (a Qwen3ForCausalLM), at random."""
+    return _random_hf_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3-tiny", "qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tiny_dataset, tmp_path_factory):
+    """The tiny dataset's tokenizer carrying Qwen3's released chat template (tests/fixtures), as a Qwen3 checkpoint's
+    tokenizer carries it: what a Qwen3 agent's contexts are rendered with."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("tokenizers") / "qwen3"
+    shutil.copytree(tiny_dataset / "tokenizer", out)
+    shutil.copy2(REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja", out / "chat_template.jinja")
     return out
 
 

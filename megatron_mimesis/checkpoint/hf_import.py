@@ -18,17 +18,19 @@ from pathlib import Path
 
 import torch
 
-from megatron_mimesis.checkpoint.reader import RUN_CONFIG, fused_part_names
+from megatron_mimesis.checkpoint.reader import RUN_CONFIG, chunk_of, fused_part_names, is_stacked, layer_name
 from megatron_mimesis.models.family import Preset
 from megatron_mimesis.models.mapping import PerRankConcat
 from megatron_mimesis.models.presets import preset_from_hf_dir, preset_record
 
 
 class HFMegatronTensors:
-    """The global megatron tensor of each checkpoint key, computed from HF weights through the parameter mapping.
+    """Each chunk of a checkpoint key, computed from HF weights through the parameter mapping.
 
-    A fused tensor that megatron stores as named parts (the Gated DeltaNet's ``in_proj`` and ``conv1d``) is
-    computed once for all its parts: the last mapping entry's tensor is kept until another entry is asked for.
+    A key is one parameter's global tensor, one of the named parts of a fused one (the Gated DeltaNet's ``in_proj``
+    and ``conv1d``), or every layer of a homogeneous block stacked (``reader.is_stacked``), whose chunks are one layer
+    each: each is computed from that layer's mapping entry alone. The last entry's tensor is kept until another entry
+    is asked for, so a fused tensor's parts and a tensor's chunks are computed once.
     """
 
     def __init__(self, hf_state: Mapping[str, torch.Tensor], preset: Preset, padded_vocab: int):
@@ -43,7 +45,13 @@ class HFMegatronTensors:
             self._last = (name, self._entries[name].to_megatron(self._hf, 1)[0])
         return self._last[1]
 
-    def __call__(self, key: str) -> torch.Tensor:
+    def __call__(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        if is_stacked(key):  # megatron's chunks of a stacked key are single layers
+            full = self._global(layer_name(key, offsets[0])).unsqueeze(0)
+            return chunk_of(full, (0, *offsets[1:]), sizes)
+        return chunk_of(self._global(key), offsets, sizes)
+
+    def _global(self, key: str) -> torch.Tensor:
         if key in self._entries:
             return self._megatron(key)
         name = key.rsplit(".", 1)[0]

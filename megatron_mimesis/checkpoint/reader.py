@@ -1,11 +1,17 @@
 """Reading the model tensors of a megatron torch_dist checkpoint with no process group and no model.
 
 A megatron dist checkpoint stores every parameter as one *global* tensor, whatever the TP/PP layout that
-wrote it, under the module path with global layer numbers. Those global tensors are the TP=1 megatron
-layout, except two fused tensors of the Gated DeltaNet that megatron saves as named parts
-(``in_proj.weight.query|key|value|z|beta|alpha`` and ``conv1d.weight.query|key|value``, see megatron-core's
-``_GDNBase.sharded_state_dict``); this reader concatenates those back. Tensors are loaded one at a time, so
-memory stays at the size of the tensor asked for.
+wrote it: the TP=1 megatron layout. Two things differ from a model's own parameter names:
+
+* the layers of a block whose layers are all alike (a dense model: Qwen3) are stacked along a leading axis under one
+  key without the layer number (``decoder.layers.mlp.linear_fc1.weight`` of shape ``[layers, ...]``, see megatron-core's
+  ``TransformerBlock.sharded_state_dict``); a hybrid block (Qwen3.5) keeps one key per layer
+  (``decoder.layers.3.mlp.linear_fc1.weight``). The reader reads one layer's slice of a stacked tensor;
+* two fused tensors of the Gated DeltaNet are saved as named parts (``in_proj.weight.query|key|value|z|beta|alpha``
+  and ``conv1d.weight.query|key|value``, see megatron-core's ``_GDNBase.sharded_state_dict``); the reader
+  concatenates those back.
+
+Tensors are loaded one at a time, so memory stays at the size of the tensor asked for.
 """
 
 import json
@@ -15,7 +21,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader, load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_mimesis.checkpoint.integrity import (
     FILES,
@@ -35,6 +43,33 @@ FUSED_PARTS = {
     "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
     "self_attention.conv1d.weight": ("query", "key", "value"),
 }
+
+
+LAYERS = "decoder.layers."
+_LAYER = re.compile(rf"^{re.escape(LAYERS)}(\d+)\.(.+)$")
+
+
+def stacked_key(name: str) -> tuple[str, int] | None:
+    """``decoder.layers.N.rest`` -> (``decoder.layers.rest``, N): where a homogeneous block stores that layer."""
+    match = _LAYER.match(name)
+    return (LAYERS + match.group(2), int(match.group(1))) if match else None
+
+
+def is_stacked(key: str) -> bool:
+    """A checkpoint key of stacked layers (``decoder.layers.`` not followed by a layer number)."""
+    return key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit()
+
+
+def layer_name(key: str, layer: int) -> str:
+    """A stacked key's parameter name in layer ``layer``."""
+    return f"{LAYERS}{layer}.{key[len(LAYERS):]}"
+
+
+def chunk_of(full: torch.Tensor, offsets: tuple, sizes: tuple) -> torch.Tensor:
+    """The chunk of a global tensor at ``offsets`` of ``sizes``."""
+    for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+        full = full.narrow(dim, offset, size)
+    return full
 
 
 def fused_part_names(name: str) -> list[str] | None:
@@ -144,25 +179,57 @@ class DistCheckpointReader:
         """Every stored model tensor (parts unmerged): name -> (shape, dtype)."""
         return {k: (tuple(v.size), v.properties.dtype) for k, v in self._stored.items()}
 
+    def _pieces(self, name: str) -> list[tuple[str, int | None]]:
+        """Where the parameter ``name`` is stored: (key, its layer in a stacked key or None) of the tensor, or of its
+        named parts in concatenation order; empty when the checkpoint does not hold it."""
+        for key, layer in [(name, None), *([stacked_key(name)] if stacked_key(name) else [])]:
+            if key in self._stored:
+                return [(key, layer)]
+            parts = fused_part_names(key)
+            if parts is not None and all(p in self._stored for p in parts):
+                return [(p, layer) for p in parts]
+        return []
+
     def has(self, name: str) -> bool:
-        parts = fused_part_names(name)
-        return name in self._stored or (parts is not None and all(p in self._stored for p in parts))
+        return bool(self._pieces(name))
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full TP=1 tensor of one megatron parameter."""
-        if name in self._stored:
-            return self._load([name])[name]
-        parts = fused_part_names(name)
-        if parts is None or not all(p in self._stored for p in parts):
+        pieces = self._pieces(name)
+        if not pieces:
             raise CheckpointError(f"{self.dir}: no tensor {name!r} in the checkpoint")
-        loaded = self._load(parts)
-        return torch.cat([loaded[p] for p in parts], dim=0)
+        loaded = self._load(dict(pieces))
+        return torch.cat([loaded[key] for key, _ in pieces], dim=0) if len(pieces) > 1 else loaded[pieces[0][0]]
 
-    def _load(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        state = {k: torch.empty(self._stored[k].size, dtype=self._stored[k].properties.dtype) for k in keys}
-        load(state, storage_reader=FileSystemReader(str(self.dir)),
-             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        return state
+    def _load(self, pieces: dict[str, int | None]) -> dict[str, torch.Tensor]:
+        """Each key's tensor (one layer's slice of a stacked key)."""
+        state = {}
+        for key, layer in pieces.items():
+            size = self._stored[key].size
+            state[key] = torch.empty(size if layer is None else (1, *size[1:]), dtype=self._stored[key].properties.dtype)
+        load(state, storage_reader=FileSystemReader(str(self.dir)), planner=_LayerSlicePlanner(pieces), no_dist=True)
+        return {key: tensor if pieces[key] is None else tensor[0] for key, tensor in state.items()}
+
+
+class _LayerSlicePlanner(DefaultLoadPlanner):
+    """Loads the whole of a key, or one layer of a stacked key (the chunk at that layer's offset): DCP reads only the
+    stored chunks that overlap it."""
+
+    def __init__(self, layers: dict[str, int | None]):
+        super().__init__(allow_partial_load=True)
+        self._layers = layers
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, tensor in self.state_dict.items():
+            stored = self.metadata.state_dict_metadata[key]
+            offsets = [self._layers[key] or 0] + [0] * (len(stored.size) - 1)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
+            items += create_read_items_for_chunk_list(key, stored, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]
 
 
 def saved_model(path: str | Path):

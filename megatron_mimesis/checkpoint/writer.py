@@ -147,10 +147,10 @@ def dist_save(state: dict, directory: str | Path) -> None:
 
 
 class _ResolvingPlanner(MCoreSavePlanner):
-    """megatron's save planner, with each tensor chunk's data taken from ``resolve(key)`` (the global tensor) when
-    DCP writes it, instead of from the state dict (whose tensors are on the meta device)."""
+    """megatron's save planner, with each tensor chunk's data taken from ``resolve(key, offsets, sizes)`` when DCP
+    writes it, instead of from the state dict (whose tensors are on the meta device)."""
 
-    def __init__(self, resolve: Callable[[str], torch.Tensor], progress: bool):
+    def __init__(self, resolve: Callable[..., torch.Tensor], progress: bool):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._resolve = resolve
         self._progress = progress
@@ -167,23 +167,22 @@ class _ResolvingPlanner(MCoreSavePlanner):
             return super().resolve_data(write_item)
         self.bar.update()
         key, data = write_item.index.fqn, write_item.tensor_data
-        full = self._resolve(key)
-        if full.shape != data.size:
-            raise ValueError(f"{key}: the source tensor has shape {tuple(full.shape)}, the model's is "
-                             f"{tuple(data.size)}")
-        chunk = full
-        for dim, (offset, size) in enumerate(zip(data.chunk.offsets, data.chunk.sizes, strict=True)):
-            chunk = chunk.narrow(dim, offset, size)
+        chunk = self._resolve(key, tuple(data.chunk.offsets), tuple(data.chunk.sizes))
+        if tuple(chunk.shape) != tuple(data.chunk.sizes):
+            raise ValueError(f"{key}: the source gives a chunk of shape {tuple(chunk.shape)} at "
+                             f"{tuple(data.chunk.offsets)}, the model's is {tuple(data.chunk.sizes)}")
         return chunk.to(data.properties.dtype).contiguous()
 
 
-def dist_save_streamed(sharded_state_dict: dict, directory: str | Path, resolve: Callable[[str], torch.Tensor],
+def dist_save_streamed(sharded_state_dict: dict, directory: str | Path, resolve: Callable[..., torch.Tensor],
                        progress: bool = True) -> None:
-    """What :func:`dist_save` writes for ``sharded_state_dict``, with the tensors' data from ``resolve(key)``.
+    """What :func:`dist_save` writes for ``sharded_state_dict``, with the tensors' data from ``resolve(key, offsets,
+    sizes)``.
 
     ``sharded_state_dict`` is that of a model on the meta device in a world of one process (only its structure is
-    read); ``resolve`` returns the global tensor stored under a checkpoint key, e.g. ``decoder.layers.3.mlp.linear_fc2
-    .weight``. The common state and ``metadata.json`` are written as megatron-core's ``save`` writes them.
+    read); ``resolve`` returns the chunk at ``offsets`` of ``sizes`` of the global tensor stored under a checkpoint
+    key, e.g. ``decoder.layers.3.mlp.linear_fc2.weight`` (or one layer of a stacked ``decoder.layers.mlp.linear_fc2
+    .weight``). The common state and ``metadata.json`` are written as megatron-core's ``save`` writes them.
     """
     if dist.get_world_size() != 1:
         raise RuntimeError("dist_save_streamed writes every chunk itself: call it in a world of one process")

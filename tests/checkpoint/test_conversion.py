@@ -16,7 +16,7 @@ from data_prep.tokenizer import ENDOFTEXT, IM_END, TextEncoder
 from megatron_mimesis.checkpoint.conversion import ConversionError, export_to_hf, import_from_hf
 from megatron_mimesis.checkpoint.reader import CheckpointError, DistCheckpointReader
 from megatron_mimesis.checkpoint.serving import simulator_chat_template, special_token_ids
-from megatron_mimesis.models.presets import get_preset
+from megatron_mimesis.models.presets import get_preset, preset_record
 from tests.models.harness import REPO, hf_reference, init_single_process_megatron
 
 PRESET = get_preset("tiny")
@@ -152,7 +152,7 @@ def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tiny_
     ckpt = tmp_path / "saved" / "iter_0000007"
     ckpt.mkdir(parents=True)
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(ckpt))
-    (ckpt / "run_config.json").write_text(json.dumps({"preset": vars(PRESET),
+    (ckpt / "run_config.json").write_text(json.dumps({"preset": preset_record(PRESET),
                                                       "padded_vocab_size": provider.padded_vocab_size}))
     (tmp_path / "saved" / "latest").write_text("7\n")
     tokenizer = tiny_dataset / "tokenizer"
@@ -177,7 +177,8 @@ def test_hf_reference_keeps_vision_tower_mtp_and_layout(tiny_dataset, tmp_path):
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=PRESET.hidden_size,
                   num_position_embeddings=64, patch_size=4, temporal_patch_size=2)
     reference = _hf_dir(tmp_path, Qwen3_5ForConditionalGeneration(
-        Qwen3_5Config(text_config=PRESET.to_hf_config().to_dict(), vision_config=vision)), tiny_dataset / "tokenizer",
+        Qwen3_5Config(text_config=PRESET.family.hf_config(PRESET).to_dict(), vision_config=vision)),
+        tiny_dataset / "tokenizer",
         "reference")
     weights = load_file(str(reference / "model.safetensors"))
     weights["mtp.fc.weight"] = torch.randn(PRESET.hidden_size, 2 * PRESET.hidden_size)
@@ -190,6 +191,50 @@ def test_hf_reference_keeps_vision_tower_mtp_and_layout(tiny_dataset, tmp_path):
         assert torch.equal(out[name], tensor), name
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == \
         json.loads((reference / "config.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen3_round_trip_is_bit_exact_and_the_export_runs_in_transformers(tiny_dataset, tmp_path, tied):
+    """A Qwen3ForCausalLM (untied as Qwen3-8B, tied as the 0.6B-4B) -> dist checkpoint -> HF: every tensor back bit for
+    bit, the family read from the checkpoint on both ways (no flag), the export a Qwen3ForCausalLM with the source's
+    logits; with the source as --hf-reference its config.json is kept as it is."""
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset("qwen3-tiny").replace(tie_word_embeddings=tied)
+    source = hf_reference(seed=5, preset=preset)
+    src = _hf_dir(tmp_path, source, tiny_dataset / "tokenizer")
+    import_from_hf(src, tmp_path / "mcore", dtype="fp32", progress=False)
+    reader = DistCheckpointReader(tmp_path / "mcore")
+    assert reader.run_config["preset"]["family"] == "qwen3" and reader.preset == preset.replace(name="hf")
+    assert "output_layer.weight" not in reader.stored_tensors() if tied else "output_layer.weight" in \
+        reader.stored_tensors()
+    export_to_hf(tmp_path / "mcore", tmp_path / "back", dtype="fp32", progress=False)
+    original, back = _tensors(src), _tensors(tmp_path / "back")
+    assert set(back) == set(original) and ("lm_head.weight" in back) is not tied
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"], config["tie_word_embeddings"]) == (
+        ["Qwen3ForCausalLM"], "qwen3", tied)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    assert type(exported).__name__ == "Qwen3ForCausalLM"
+    ids = torch.randint(0, preset.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, source(ids).logits)
+    export_to_hf(tmp_path / "mcore", tmp_path / "ref", hf_reference=src, dtype="fp32", progress=False)
+    assert json.loads((tmp_path / "ref" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert set(_tensors(tmp_path / "ref")) == set(original)
+
+
+def test_a_reference_of_another_family_is_refused_naming_it(tiny_dataset, tmp_path):
+    from megatron_mimesis.checkpoint.conversion import _reference_config
+
+    qwen3 = get_preset("qwen3-tiny")
+    qwen3.family.hf_config(qwen3).save_pretrained(tmp_path / "qwen3")
+    with pytest.raises(ConversionError, match=r"does not match the checkpoint's model \(reference vs checkpoint: "
+                                              r"family: Qwen3 vs Qwen3.5\)"):
+        _reference_config(tmp_path / "qwen3", PRESET)
 
 
 def test_bad_inputs_are_refused_and_nothing_is_half_written(hf_model, tiny_dataset, tmp_path):

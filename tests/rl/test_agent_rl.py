@@ -44,6 +44,24 @@ def test_csd_changes_the_update_and_logs_its_gate(tiny_dataset, tiny_hf_checkpoi
     assert all("# Coach's note\nAnswer in two words." in s["teacher_context"] for s in samples)
 
 
+@pytest.mark.slow
+def test_a_qwen3_agent_trains_in_its_own_chat_format(tiny_dataset, qwen3_tokenizer, qwen3_hf_checkpoint, tmp_path):
+    """The dense family as the agent at TP=2: contexts rendered by Qwen3's own template with thinking on, CSD's
+    teacher re-scoring the same tokens, a KL reference of the same family, and the tool-call parse counted."""
+    args = _agent_args(tiny_dataset, qwen3_hf_checkpoint, tmp_path / "run", "--model", "qwen3-tiny", "--thinking",
+                       "--tokenizer", str(qwen3_tokenizer), "--train-iters", "2", "--tensor-model-parallel-size", "2",
+                       "--csd-alpha", "0.5", "--kl-coef", "0.1", "--kl-reference", str(qwen3_hf_checkpoint))
+    run_trainer(2, *args, module=AGENT_RL, timeout=600)
+    records = read_metrics(tmp_path / "run")
+    assert len(records) == 2 and all(r["rows"] > 0 and r["update_applied"] is not False for r in records)
+    assert records[0]["kl_ref"] < 1e-6 < records[1]["kl_ref"]  # the reference is the starting weights
+    assert all(0.0 < r["csd_gate_mean"] < 1.0 and r["csd_turns"] == r["rows"] for r in records)
+    assert all("unparsed_tool_calls" in r for r in records)
+    samples = [json.loads(line) for line in (tmp_path / "run" / "csd_samples.jsonl").read_text().splitlines()]
+    assert all(s["teacher_context"].count("<|im_start|>assistant\n") >= 1 for s in samples)
+    assert all("# Tools\n\nYou may call one or more functions" in s["teacher_context"] for s in samples)
+
+
 def test_agent_config_is_validated_before_anything_starts(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     config = AgentRLConfig(tokenizer=str(tmp_path), env="tau2")

@@ -67,11 +67,15 @@ def test_the_local_engine_is_refused_above_the_tiny_preset():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "qwen3-tiny"])
 def test_kl_to_the_reference_starts_at_zero_and_grows_as_the_policy_moves(tiny_dataset, tiny_hf_checkpoint,
-                                                                          tmp_path):
-    run_trainer(1, *_rl_args(tiny_dataset, tiny_hf_checkpoint, tmp_path, "--train-iters", "4", "--max-new-tokens",
-                             "6", "--prompts-per-step", "2", "--rollouts-per-prompt", "2", "--kl-coef", "0.5",
-                             "--kl-reference", str(tiny_hf_checkpoint)), module="megatron_mimesis.rl.simulator_rl")
+                                                                          qwen3_hf_checkpoint, tmp_path, model):
+    """For each family: a policy and its frozen reference from the same HF weights, FoldGRPO with a KL term."""
+    checkpoint = tiny_hf_checkpoint if model == "tiny" else qwen3_hf_checkpoint
+    run_trainer(1, *_rl_args(tiny_dataset, checkpoint, tmp_path, "--model", model, "--train-iters", "4",
+                             "--max-new-tokens", "6", "--prompts-per-step", "2", "--rollouts-per-prompt", "2",
+                             "--kl-coef", "0.5", "--kl-reference", str(checkpoint)),
+                module="megatron_mimesis.rl.simulator_rl")
     records = read_metrics(tmp_path / "run")
     kl = [r["kl_ref"] for r in records]
     assert kl[0] < 1e-6  # the policy starts from the reference's weights

@@ -50,6 +50,27 @@ def test_parallel_layouts_and_recompute_train_like_one_process(tiny_dataset, tin
         assert max(abs(a - b) for a, b in zip(single, other, strict=True)) <= LAYOUT_TOL, (layout, single, other)
 
 
+def test_qwen3_trains_alike_in_every_layout_and_resumes_resharded(tiny_dataset, qwen3_hf_checkpoint, tmp_path):
+    """The dense family through the same trainer: TP=2 with sequence parallelism and PP=2 follow the one-process
+    curve, and its checkpoint (megatron stacks a homogeneous block's layers under one key) resumes at another TP."""
+    model = ["--model", "qwen3-tiny", "--pretrained-hf", str(qwen3_hf_checkpoint), "--train-iters", "4"]
+    run_trainer(1, *common_args(tiny_dataset, tmp_path / "single", *model, "--save", str(tmp_path / "ckpt"),
+                                "--save-interval", "2"))
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "tp2", *model, "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"))
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "pp2", *model, "--pipeline-model-parallel-size", "2"))
+    single = train_losses(tmp_path / "single")
+    assert len(single) == 4 and single[3] < single[0]
+    for layout in ("tp2", "pp2"):
+        other = train_losses(tmp_path / layout)
+        assert max(abs(a - b) for a, b in zip(single, other, strict=True)) <= LAYOUT_TOL, (layout, single, other)
+    (tmp_path / "ckpt" / "latest").write_text("2\n")
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "resumed", "--model", "qwen3-tiny", "--train-iters", "4",
+                                "--tensor-model-parallel-size", "2", "--load", str(tmp_path / "ckpt")))
+    resumed = train_losses(tmp_path / "resumed")
+    assert max(abs(x - y) for x, y in zip(resumed, single[2:], strict=True)) <= LAYOUT_TOL, (resumed, single)
+
+
 def test_resume_continues_the_same_curve_and_reshards(tiny_dataset, tiny_hf_checkpoint, tmp_path):
     init = ["--pretrained-hf", str(tiny_hf_checkpoint)]
     tp2 = ["--tensor-model-parallel-size", "2"]
