@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Agent RL with GRPO + CSD against the frozen user simulator (MIMESIS stage II). On SLURM or with GPUs: CONFIG
-# (default launch/configs/rl_agent_9b.yaml) under one torchrun per node; with neither and no CONFIG: the
+# (default launch/configs/rl_agent_qwen3_8b.yaml, the paper's Qwen3-8B agent; rl_agent_9b.yaml trains a Qwen3.5
+# agent) under one torchrun per node; with neither and no CONFIG: the
 # embedded CPU demo, which starts from the mid-training demo's checkpoint and trains the tiny model as the agent
 # on the toy env (scripted user and coach), TP=2.
 #   bash launch/rl_agent.sh [--flag VALUE ...] [--dry-run]
@@ -9,7 +10,7 @@ set -euo pipefail
 
 STAGE=rl_agent
 TRAIN_MODULE=megatron_mimesis.rl.agent_rl
-PAPER_CONFIG=launch/configs/rl_agent_9b.yaml
+PAPER_CONFIG=launch/configs/rl_agent_qwen3_8b.yaml
 DEMO_CONFIG=launch/configs/demo_rl_agent.yaml
 
 # shellcheck source=launch/common.sh

@@ -79,6 +79,8 @@ class ModelFamily(ABC):
     tiny_preset: ClassVar[str]  # the CPU-sized twin (tests, demos, vLLM's CPU backend)
     presets: ClassVar[dict]
     layer_kinds: ClassVar[dict[str, str]]  # layer kind -> what the memory plan calls it, in the plan's order
+    gpu_kernels: ClassVar[str]  # the GPU kernels whose saved sets the plan declares (training/memory/gpu_kernels.py)
+    measured_eagerly: ClassVar[str]  # what megatron torch.compiles on a GPU that the plan measures eagerly ("": none)
     chat: ClassVar[ChatFormat]
 
     # ------------------------------------------------------------------ HF

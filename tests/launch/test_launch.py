@@ -156,21 +156,24 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
 
 def test_rl_agent_slurm_dry_run_has_the_paper_settings(fake):
     tmp_path, env = fake
-    hf = tmp_path / "qwen"
-    hf.mkdir()
+    from megatron_mimesis.models.presets import get_preset
+
+    hf = tmp_path / "qwen3-8b"  # the released config of the paper's agent (no weights: a dry run reads none)
+    preset = get_preset("qwen3-8b")
+    preset.family.hf_config(preset).save_pretrained(hf)
     (hf / "tokenizer.json").write_text("{}")
-    (hf / "config.json").write_text("{}")
     args = ["--dry-run", "--pretrained-hf", str(hf), "--tokenizer", str(hf)]
     result = run("rl_agent.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"})
     assert result.returncode == 0, result.stderr
     assert "--nnodes 2 --nproc-per-node 8" in result.stdout
-    assert "-m megatron_mimesis.rl.agent_rl --config launch/configs/rl_agent_9b.yaml" in result.stdout
+    assert "-m megatron_mimesis.rl.agent_rl --config launch/configs/rl_agent_qwen3_8b.yaml" in result.stdout
     resolved = trainer_json(result.stdout)
     assert resolved["world_size"] == 16 and resolved["data_parallel_size"] == 4
     config = resolved["config"]
-    assert (config["rollouts_per_prompt"], config["gamma"], config["train_iters"]) == (8, 0.8, 100)
+    assert (config["model"], config["rollouts_per_prompt"], config["gamma"], config["train_iters"]) == (
+        "qwen3-8b", 8, 0.8, 100)
     assert (config["csd_alpha"], config["csd_beta"], config["env"], config["engine"]) == (0.01, 5.0, "tau2", "vllm")
-    assert resolved["rollouts_per_step"] == 16 * 8
+    assert (config["lr"], config["max_agent_turns"], resolved["rollouts_per_step"]) == (1e-6, 16, 64 * 8)
 
 
 def test_rl_agent_local_dry_run_without_gpu_is_the_toy_demo(fake):

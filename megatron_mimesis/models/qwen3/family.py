@@ -21,6 +21,8 @@ class Qwen3Family(ModelFamily):
     tiny_preset = "qwen3-tiny"
     presets = PRESETS
     layer_kinds = {ATTENTION: "attention layer"}
+    gpu_kernels = "Transformer Engine"
+    measured_eagerly = ""
     # Qwen3's template: tool calls as one JSON object per <tool_call> (vLLM's hermes parser), <tool_response> blocks
     # in a user turn, the model opens <think> itself; earlier thoughts are stripped except in the current tool chain
     chat = ChatFormat(tool_call_parser="hermes", opens_think_in_prompt=False, own_template=True)

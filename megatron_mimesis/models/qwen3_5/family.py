@@ -28,6 +28,8 @@ class Qwen35Family(ModelFamily):
     tiny_preset = "tiny"
     presets = PRESETS
     layer_kinds = {DELTANET: "Gated DeltaNet layer", ATTENTION: "gated attention layer"}
+    gpu_kernels = "Transformer Engine and fla"
+    measured_eagerly = "megatron's torch.compile'd GDN and output-gate helpers"
     # Qwen3.5's template writes tool calls in Qwen3-Coder's XML and opens <think> in the generation prompt; agent
     # contexts are rendered piece by piece in the ChatML layout the training data has (``rl/chat.py``)
     chat = ChatFormat(tool_call_parser="qwen3_coder", opens_think_in_prompt=True, own_template=False)

@@ -405,8 +405,9 @@ def _notes(config, workload: Workload, stages: list[StageStates], columns: list[
         notes.append(f"{column}: {flight} forward pass{'es' if flight > 1 else ''}{chunk} held at the first backward "
                      f"(megatron's schedule): {passes} of {workload.tokens // config.context_parallel_size} tokens")
     enabled = [name for name, on in gpu_run_fusions().items() if on]
-    notes.append(f"activations as on a GPU with Transformer Engine and fla, fusions {', '.join(enabled)}; megatron's "
-                 f"torch.compile'd GDN and output-gate helpers measured eagerly (an upper bound)")
+    family = config.preset.family
+    eager = f"; {family.measured_eagerly} measured eagerly (an upper bound)" if family.measured_eagerly else ""
+    notes.append(f"activations as on a GPU with {family.gpu_kernels}, fusions {', '.join(enabled)}{eager}")
     return notes
 
 
