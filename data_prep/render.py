@@ -1,4 +1,4 @@
-"""Conversations -> token samples with their target spans, in the Qwen3.5 chat template.
+"""Conversations -> token samples with their target spans, in Qwen's ChatML chat template (Qwen3.5's layout).
 
 Every turn renders as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. The model learns to play the *user*:
 

@@ -1,7 +1,7 @@
 """Tokenizers: a Hugging Face tokenizer directory, a sentencepiece model, or a small BPE trained offline.
 
 The renderer needs only ``encode_batch`` (texts -> token id lists, no special tokens added) and the ids of the
-Qwen3.5 chat special tokens. With a HF tokenizer, special-token text inside the data is encoded as plain text, so
+chat special tokens of Qwen's ChatML template. With a HF tokenizer, special-token text inside the data is encoded as plain text, so
 a user typing "<|im_end|>" cannot end a turn; a sentencepiece model cannot do that (its user-defined symbols always
 match) and encodes every segment with its own dummy prefix. ``load_encoder`` picks the kind by path. ``TokenizerInfo`` records what went into a dataset (path and content hash) for
 the manifest, so a dataset can always be traced back to the exact tokenizer.
@@ -127,7 +127,7 @@ def tokenizer_sha256(path: Path) -> str:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | Path) -> Path:
-    """Train a byte-level BPE with the Qwen3.5 chat special tokens and save it as a HF tokenizer directory.
+    """Train a byte-level BPE with the ChatML special tokens and save it as a HF tokenizer directory.
 
     ``vocab_size`` includes the special tokens; the directory loads offline with
     ``transformers.AutoTokenizer.from_pretrained``.

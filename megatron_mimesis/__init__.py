@@ -1,3 +1,3 @@
-"""MIMESIS recipe for Qwen3.5 on megatron-core."""
+"""The MIMESIS recipe (user simulators and the agents trained against them) on megatron-core."""
 
 __version__ = "0.1.0"

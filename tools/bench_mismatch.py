@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=128, help="max new tokens of one agent turn")
     parser.add_argument("--state-dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
-    parser.add_argument("--hf", help="an HF directory of a Qwen3.5 model (default: the tiny preset, seeded)")
+    parser.add_argument("--hf", help="an HF directory of a model with Gated DeltaNet layers (default: the tiny preset, seeded)")
     parser.add_argument("--tokenizer", help="its tokenizer (default: --hf, else one trained on the demo corpus)")
     args = parser.parse_args(argv)
     out = _output_dir(args.output)

@@ -1,4 +1,5 @@
-"""The Qwen3.5 chat template as token ids for rollouts, and the line between private thinking and public text.
+"""The ChatML layout of the training data as token ids for rollouts, and the line between private thinking and
+public text.
 
 Every message renders as ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` with each piece encoded on its own, as
 ``data_prep.render`` does for the training data, so a context's ids do not depend on how a tokenizer would merge
@@ -100,7 +101,7 @@ class ChatRenderer:
         return self._prompt(messages, "assistant")
 
     def _prompt(self, messages: list[dict], role: str) -> list[int]:
-        # Qwen3.5's thinking template opens the think block in the generation prompt.
+        # the thinking template the training data follows (Qwen3.5's) opens the think block in the generation prompt
         return self.render_messages(messages) + self._headers[role] + self._open_thinking
 
     def split_thinking(self, text: str) -> tuple[str | None, str]:

@@ -149,7 +149,7 @@ def _rollout_metrics(summaries) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     return rl_main(argv, SimulatorRLConfig, SimulatorRL, prog="python -m megatron_mimesis.rl.simulator_rl",
-                   description="Simulator RL (FoldGRPO) of a Qwen3.5 user simulator on megatron-core.")
+                   description="Simulator RL (FoldGRPO) of a user simulator on megatron-core.")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Gradient finalisation after backward: megatron-core's, plus the one reduction it misses for Qwen3.5.
+"""Gradient finalisation after backward: megatron-core's, plus the one reduction it misses (Gated DeltaNet's output norm).
 
 megatron-core's ``finalize_model_grads`` sums across the TP group the gradients of replicated parameters
 that each rank only partly sees: norms under sequence parallelism and q/k layernorms. The Gated

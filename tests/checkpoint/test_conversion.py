@@ -56,6 +56,7 @@ def test_import_then_export_is_bit_exact(imported, tmp_path):
     src, mcore = imported
     reader = DistCheckpointReader(mcore)
     assert reader.run_config["model_only"] and reader.preset.num_layers == 4
+    _assert_key_table_holds("tiny", reader.stored_tensors())
     export_to_hf(mcore, tmp_path / "back", dtype="fp32", progress=False)
     original, back = _tensors(src), _tensors(tmp_path / "back")
     assert set(back) == set(original)
@@ -90,6 +91,23 @@ def test_streamed_import_is_what_megatron_saves_from_the_loaded_model(hf_model, 
     assert set(streamed) == set(saved)
     for key, tensor in saved.items():
         assert torch.equal(streamed[key], tensor), key
+
+
+def _assert_key_table_holds(preset_name, stored):
+    """Every dist checkpoint key of the family's key table (docs/checkpoint_keys.md) is in a real checkpoint of it
+    (``N`` some layer of its kind; named parts each; the output layer unless tied), and every stored key of the model
+    is one of the table's."""
+    from megatron_mimesis.tools.inspect_checkpoint import key_rows
+
+    layers = range(get_preset(preset_name).num_layers)
+    stored = {k for k in stored if "_extra_state" not in k}
+    table = []
+    for _, key, _, _ in key_rows(preset_name)[1]:
+        base, _, parts = key.partition(".{")
+        names = [f"{base}.{p}" for p in parts.rstrip("}").split(",")] if parts else [base]
+        table.append({n.replace(".N.", f".{i}.") for n in names for i in layers} if ".N." in key else set(names))
+    missing = [row for row in table if not row & stored and row != {"output_layer.weight"}]
+    assert not missing and stored <= set().union(*table), (missing, stored - set().union(*table))
 
 
 def _dist_tensors(directory):
@@ -209,6 +227,7 @@ def test_qwen3_round_trip_is_bit_exact_and_the_export_runs_in_transformers(tiny_
     assert reader.run_config["preset"]["family"] == "qwen3" and reader.preset == preset.replace(name="hf")
     assert "output_layer.weight" not in reader.stored_tensors() if tied else "output_layer.weight" in \
         reader.stored_tensors()
+    _assert_key_table_holds("qwen3-tiny", reader.stored_tensors())
     export_to_hf(tmp_path / "mcore", tmp_path / "back", dtype="fp32", progress=False)
     original, back = _tensors(src), _tensors(tmp_path / "back")
     assert set(back) == set(original) and ("lm_head.weight" in back) is not tied

@@ -41,3 +41,14 @@ def test_dist_checkpoint_root(tmp_path):
     header, rows = _inspect(tmp_path, "--all")
     assert header["format"] == "megatron torch_dist" and header["iteration"] == 7 and header["run_config"] is None
     assert ROW.fullmatch(rows[0]).groups() == ("w", "[1]", "float32", "") and rows[-1] == "1 tensors, 1 elements"
+
+
+def test_docs_checkpoint_keys_show_the_tables_the_tool_prints():
+    """Every ``<!-- key-table PRESET -->`` block of docs/checkpoint_keys.md is ``--key-table PRESET``'s output."""
+    from megatron_mimesis.tools.inspect_checkpoint import key_table
+
+    text = (REPO / "docs" / "checkpoint_keys.md").read_text()
+    blocks = re.findall(r"<!-- key-table (\S+) -->\n## (.*?)\n<!-- end key-table -->", text, re.S)
+    assert [preset for preset, _ in blocks] == ["qwen3-8b", "9b"]
+    for preset, shown in blocks:
+        assert shown == key_table(preset), f"docs/checkpoint_keys.md: the key table of {preset} is stale"

@@ -9,6 +9,7 @@ import torch
 from megatron_mimesis.models.config import ParallelConfig
 from tests.models.harness import (
     PRESET,
+    QWEN3_PRESET,
     assert_grads_close,
     build_megatron_from_hf,
     hf_loss_and_grads,
@@ -23,18 +24,22 @@ PADDED_PRESET = PRESET.replace(vocab_size=VOCAB)
 LOSS_TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def hf_twin():
-    model = hf_reference(seed=2, preset=PADDED_PRESET)
+def _twin(preset):
+    model = hf_reference(seed=2, preset=preset)
     batch = make_batch(seed=3, vocab=VOCAB)
     batch["labels"][0, :4] = torch.tensor([VOCAB - 1, VOCAB - 2, 0, VOCAB - 3])  # ids next to the padding
     loss, grads = hf_loss_and_grads(model, batch)
-    return model.state_dict(), batch, loss, grads
+    return model.state_dict(), batch, loss, grads, preset
+
+
+@pytest.fixture(scope="module")
+def hf_twin():
+    return _twin(PADDED_PRESET)
 
 
 def _train(hf_twin, tp, pp=1, sequence_parallel=False):
-    state, batch, ref_loss, ref_grads = hf_twin
-    outs = run_distributed(megatron_train_step, tp * pp, tp, pp, sequence_parallel, state, batch, PADDED_PRESET, True)
+    state, batch, ref_loss, ref_grads, preset = hf_twin
+    outs = run_distributed(megatron_train_step, tp * pp, tp, pp, sequence_parallel, state, batch, preset, True)
     last_stage = outs[-tp:]
     grads = {}
     for out in outs[::tp]:  # the first TP rank of each stage: its own parameters
@@ -59,6 +64,12 @@ def test_padded_model_equals_its_transformers_twin(hf_twin):
                          ids=["tp2", "tp2-sp", "pp2"])
 def test_padded_model_in_parallel_layouts_equals_its_transformers_twin(hf_twin, tp, pp, sequence_parallel):
     _train(hf_twin, tp, pp, sequence_parallel)
+
+
+@pytest.mark.slow
+def test_padded_qwen3_at_tp2_with_sequence_parallel_equals_its_transformers_twin():
+    """The dense family on the same padded vocabulary (1000 -> 1024 rows), split over TP=2 with sequence parallel."""
+    _train(_twin(QWEN3_PRESET.replace(vocab_size=VOCAB)), tp=2, sequence_parallel=True)
 
 
 def test_rl_scoring_and_local_engine_see_the_real_vocabulary_only(hf_twin):

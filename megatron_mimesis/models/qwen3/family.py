@@ -32,7 +32,7 @@ class Qwen3Family(ModelFamily):
         from transformers import Qwen3Config
 
         p = preset
-        return Qwen3Config(
+        fields = dict(
             vocab_size=p.vocab_size,
             hidden_size=p.hidden_size,
             intermediate_size=p.ffn_hidden_size,
@@ -47,8 +47,8 @@ class Qwen3Family(ModelFamily):
             attention_bias=False,
             use_sliding_window=False,
             rope_parameters={"rope_type": "default", "rope_theta": p.rotary_base},
-            **extra,
         )
+        return Qwen3Config(**{**fields, **extra})
 
     def preset_from_hf_config(self, hf_config, name: str = "hf") -> Qwen3Preset:
         """A transformers Qwen3 config; a layout this family does not build is refused naming its field."""

@@ -41,7 +41,7 @@ class Qwen35Family(ModelFamily):
         from transformers import Qwen3_5TextConfig
 
         p = preset
-        return Qwen3_5TextConfig(
+        fields = dict(
             vocab_size=p.vocab_size,
             hidden_size=p.hidden_size,
             intermediate_size=p.ffn_hidden_size,
@@ -65,8 +65,9 @@ class Qwen35Family(ModelFamily):
                 "mrope_section": [11, 11, 10],
                 "mrope_interleaved": True,
             },
-            **{"mamba_ssm_dtype": DELTANET_STATE_DTYPE, **extra},
+            mamba_ssm_dtype=DELTANET_STATE_DTYPE,
         )
+        return Qwen3_5TextConfig(**{**fields, **extra})
 
     def preset_from_hf_config(self, hf_config, name: str = "hf") -> Qwen35Preset:
         """A transformers Qwen3.5 config (the composite one or its text_config)."""

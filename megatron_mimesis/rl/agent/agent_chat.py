@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from megatron_mimesis.rl.agent.tool_calls import (
     TOOL_CALL_PARSERS,
     ParsedCalls,
-    Qwen3CoderCalls,
+    XmlCalls,
     format_tool_responses,
     parse_tool_calls,
     tools_system_text,
@@ -81,7 +81,7 @@ def _with_note(view: list[dict], note: str | None) -> list[dict]:
 class PiecewiseAgentChat:
     """ChatML rendered piece by piece (the training data's layout), the qwen3_coder tool format."""
 
-    calls = Qwen3CoderCalls
+    calls = XmlCalls
 
     def __init__(self, tokenizer, thinking: bool):
         self.renderer = ChatRenderer(tokenizer, thinking)
@@ -182,7 +182,7 @@ def agent_chat(chat_format, tokenizer, thinking: bool):
     calls = TOOL_CALL_PARSERS[chat_format.tool_call_parser]
     if chat_format.own_template:
         return TemplateAgentChat(tokenizer, thinking, calls, chat_format.opens_think_in_prompt)
-    if calls is not Qwen3CoderCalls or not chat_format.opens_think_in_prompt:
+    if calls is not XmlCalls or not chat_format.opens_think_in_prompt:
         raise ValueError(f"a piecewise agent chat writes qwen3_coder tool calls and opens the think block in the "
                          f"prompt, not {chat_format}")
     return PiecewiseAgentChat(tokenizer, thinking)

@@ -56,7 +56,7 @@ def _json_or_text(text: str):
         return text
 
 
-class Qwen3CoderCalls:
+class XmlCalls:
     name = "qwen3_coder"
 
     @staticmethod
@@ -79,7 +79,7 @@ class Qwen3CoderCalls:
         return function.group(1).strip(), arguments
 
 
-class HermesCalls:
+class JsonCalls:
     name = "hermes"
 
     @staticmethod
@@ -102,10 +102,10 @@ class HermesCalls:
         return obj["name"], arguments
 
 
-TOOL_CALL_PARSERS = {parser.name: parser for parser in (Qwen3CoderCalls, HermesCalls)}
+TOOL_CALL_PARSERS = {parser.name: parser for parser in (XmlCalls, JsonCalls)}
 
 
-def parse_tool_calls(text: str, id_prefix: str, parser=Qwen3CoderCalls) -> ParsedCalls:
+def parse_tool_calls(text: str, id_prefix: str, parser=XmlCalls) -> ParsedCalls:
     """Split an agent's public text into the message text and its calls; call ids are ``{id_prefix}-{k}``."""
     calls, unparsed = [], 0
 

@@ -10,7 +10,7 @@ from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.rl.agent.agent_chat import PiecewiseAgentChat, TemplateAgentChat, agent_chat
 from megatron_mimesis.rl.agent.csd import teacher_context
 from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, agent_rows, score_episodes
-from megatron_mimesis.rl.agent.tool_calls import HermesCalls, Qwen3CoderCalls, parse_tool_calls
+from megatron_mimesis.rl.agent.tool_calls import JsonCalls, XmlCalls, parse_tool_calls
 from megatron_mimesis.rl.envs.base import ToolCall
 from megatron_mimesis.rl.envs.toy import ToySuite, code_of, toy_user
 from megatron_mimesis.rl.types import SamplingParams
@@ -115,7 +115,7 @@ def test_each_family_gets_its_format():
         agent_chat(get_preset("qwen3-tiny").family.chat, char_tokenizer(), True)
 
 
-@pytest.mark.parametrize("parser", [Qwen3CoderCalls, HermesCalls])
+@pytest.mark.parametrize("parser", [XmlCalls, JsonCalls])
 def test_calls_round_trip_through_their_format(parser):
     calls = [ToolCall("lookup", {"item": "alpha", "n": 3, "tags": ["a", "b"]}, "x-0"), ToolCall("ping", {}, "x-1")]
     parsed = parse_tool_calls(f"Let me check.\n{parser.format(calls)}", "x", parser)
@@ -131,12 +131,12 @@ def test_calls_round_trip_through_their_format(parser):
         ToolCall("a", {}, "p-0")], 1),  # arguments not an object; an unclosed last block still parses
 ])
 def test_hermes_blocks_that_are_not_calls_stay_in_the_text_and_are_counted(text, calls, unparsed):
-    parsed = parse_tool_calls(text, "p", HermesCalls)
+    parsed = parse_tool_calls(text, "p", JsonCalls)
     assert (parsed.calls, parsed.unparsed) == (calls, unparsed)
     assert parsed.text.count("<tool_call>") == unparsed
 
 
 def test_qwen3_coder_blocks_without_a_function_are_counted():
-    parsed = parse_tool_calls("<tool_call>\nlookup alpha\n</tool_call> ok", "p", Qwen3CoderCalls)
+    parsed = parse_tool_calls("<tool_call>\nlookup alpha\n</tool_call> ok", "p", XmlCalls)
     assert (parsed.text, parsed.calls, parsed.unparsed) == ("<tool_call>\nlookup alpha\n</tool_call> ok", [], 1)
 
