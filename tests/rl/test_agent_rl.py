@@ -78,6 +78,35 @@ def test_agent_config_is_validated_before_anything_starts(tmp_path):
     config.replace(csd_alpha=0.0).validate(1)
 
 
+def test_a_local_user_model_of_another_family_or_tokenizer_is_refused_in_one_line(tiny_dataset, tmp_path):
+    """A local user model runs beside the agent with its architecture and tokenizer; a Qwen3.5 simulator for a Qwen3
+    agent (or any other tokenizer) is served instead."""
+    import shutil
+
+    from megatron_mimesis.models.presets import get_preset
+    from tests.rl.fakes import char_tokenizer
+
+    def hf_dir(name, preset_name, tokenizer):
+        preset = get_preset(preset_name).replace(vocab_size=512)
+        preset.family.hf_config(preset).save_pretrained(tmp_path / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp_path / name) if hasattr(tokenizer, "save_pretrained") else \
+                shutil.copytree(tokenizer, tmp_path / name, dirs_exist_ok=True)
+        return str(tmp_path / name)
+
+    agent = AgentRLConfig(env="toy", user_model="local", coach="none", csd_alpha=0.0, model="qwen3-tiny",
+                          model_overrides={"vocab_size": 512}, tokenizer=str(tiny_dataset / "tokenizer"))
+    simulator = hf_dir("simulator", "tiny", tiny_dataset / "tokenizer")
+    with pytest.raises(ConfigError, match=r"^user_model_options.load: .*simulator is another model than the agent's "
+                                          r"\(agent vs user model: family: Qwen3 vs Qwen3.5\); serve it"):
+        agent.replace(user_model_options={"load": simulator}).validate(1)
+    other = hf_dir("other-tokenizer", "qwen3-tiny", char_tokenizer())
+    with pytest.raises(ConfigError, match=r"^user_model_options.load: .*other-tokenizer has another tokenizer"):
+        agent.replace(user_model_options={"load": other}).validate(1)
+    same = hf_dir("same", "qwen3-tiny", tiny_dataset / "tokenizer")
+    agent.replace(user_model_options={"load": same}).validate(1)
+
+
 def test_a_local_user_simulator_is_refused_above_the_tiny_preset():
     config = AgentRLConfig(env="toy", user_model="local", coach="none", csd_alpha=0.0)
     with pytest.raises(ConfigError, match=r"^user_model=local decodes the simulator with the local engine.*not '4b'; "

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from megatron_mimesis.tools.plan import sbatch_layout
 
 from megatron_mimesis.training.memory.gpus import MARGIN
@@ -38,7 +39,7 @@ def test_the_paper_configs_cover_every_stage_for_both_models_and_the_qwen3_agent
 
 def test_every_paper_config_fits_at_its_sbatch_layout_with_the_margin(paper_plans):
     for name, (status, table, plan) in paper_plans.items():
-        stage = name.rsplit("_", 1)[0]
+        stage = yaml.safe_load((CONFIGS / name).read_text())["stage"]
         nodes, gpus = sbatch_layout(str(CONFIGS / name), stage)
         assert f" on {nodes * gpus} GPUs;" in table.splitlines()[0], name
         assert status == 0 and plan["fits"], (name, table)

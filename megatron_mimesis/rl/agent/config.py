@@ -2,6 +2,8 @@
 environment, the user model, returns and the coach. Defaults are the paper's stage II (group 8, gamma 0.8,
 100 steps, CSD alpha 0.01, beta 5.0)."""
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -79,9 +81,10 @@ class AgentRLConfig(RLConfig):
             raise ConfigError(f"user_model_options.load: {load} is another model than the agent's (agent vs user "
                               f"model: {'; '.join(diff)}); {serve}")
         if tokenizer is None:
-            raise ConfigError(f"user_model_options.load: {load} carries no tokenizer to check against the agent's "
-                              f"{self.tokenizer}; {serve}")
-        if tokenizer_sha256(Path(tokenizer)) != tokenizer_sha256(Path(self.tokenizer)):
+            if os.environ.get("RANK", "0") == "0":
+                print(f"warning: user_model_options.load: {load} carries no tokenizer; it is trusted to use the "
+                      f"agent's ({self.tokenizer})", file=sys.stderr)
+        elif tokenizer_sha256(Path(tokenizer)) != tokenizer_sha256(Path(self.tokenizer)):
             raise ConfigError(f"user_model_options.load: {load} has another tokenizer ({tokenizer}) than the agent's "
                               f"({self.tokenizer}); {serve}")
 
