@@ -112,18 +112,18 @@ def policy_update(model_chunks, optimizer, scheduler, rows: StepRows, advantages
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pad_to = tp if model_chunks[0].config.sequence_parallel else 1
     mine = plan[parallel_state.get_data_parallel_rank()]
-    batches = [rows.microbatch(mb, advantages, pad_to, device) for mb in mine]
     for m in model_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    chunks = len(model_chunks)
-    iterators = [iter(batches) for _ in range(chunks)] if chunks > 1 else iter(batches)
-    seq_length = max(b["tokens"].shape[1] for b in batches)
+    chunks = len(model_chunks)  # each (virtual) chunk draws its own micro-batches, one at a time, from the host rows
+    streams = [rows.microbatches(mine, advantages, pad_to, device) for _ in range(chunks)]
+    iterators = [batches for batches, _ in streams] if chunks > 1 else streams[0][0]
+    seq_length = streams[0][1]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         model_chunks[0].config.variable_seq_lengths = True  # packed micro-batches differ in length
     losses = get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_config, weighted), data_iterator=iterators,
-        model=model_chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1,
+        model=model_chunks, num_microbatches=len(mine), seq_length=seq_length, micro_batch_size=1,
         forward_only=False,
     )
     reduced = _reduce(losses, device)
@@ -131,7 +131,7 @@ def policy_update(model_chunks, optimizer, scheduler, rows: StepRows, advantages
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
-    return {**reduced, "lr": lr, "grad_norm": grad_norm, "update_applied": bool(ok), "microbatches": len(batches)}
+    return {**reduced, "lr": lr, "grad_norm": grad_norm, "update_applied": bool(ok), "microbatches": len(mine)}
 
 
 def _reduce(losses: list[dict], device) -> dict:

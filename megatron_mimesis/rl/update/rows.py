@@ -96,9 +96,11 @@ class StepRows:
                                   for name, values in self.response.items()})
 
     def gathered(self, group, device) -> "StepRows":
-        """Every rank's rows of ``group``, rank after rank, on every rank (collective). A response field some rank
-        lacks (a rank without rows sampled elsewhere) is filled there: engine log-probs by the old ones, others by
-        zeros. The tensors travel on ``device``, the one the group's backend takes."""
+        """Every rank's rows of ``group``, rank after rank, on every rank (collective), in host memory. A response
+        field some rank lacks (a rank without rows sampled elsewhere) is filled there: engine log-probs by the old
+        ones, others by zeros. The tensors travel on ``device``, the one the group's backend takes, and come back
+        to the host: the update puts one micro-batch at a time on the device (``microbatch``), so a step's rows
+        (0.5-1.5 GiB at tau2 volumes) never sit in GPU memory beside the activations."""
         if group is None or dist.get_world_size(group) == 1:
             return self
         world = dist.get_world_size(group)
@@ -122,6 +124,13 @@ class StepRows:
         return StepRows(tokens=tokens, lengths=per_row[:, 0], context_lengths=per_row[:, 1], group_ids=per_row[:, 2],
                         rollout_ids=per_row[:, 3], rewards=rewards,
                         response={name: per_token[:, k] for k, name in enumerate(names)})
+
+    def microbatches(self, plan: list[list[int]], advantages: torch.Tensor | None, pad_to_multiple: int, device):
+        """The micro-batches of ``plan`` (row indices each), each put on ``device`` only when the schedule asks for
+        it, and the longest one's length (what megatron's schedule sizes its pipeline buffers by)."""
+        lengths = self.lengths.tolist()
+        longest = max(_padded(sum(lengths[i] for i in mb) or 1, pad_to_multiple) for mb in plan)
+        return (self.microbatch(mb, advantages, pad_to_multiple, device) for mb in plan), longest
 
     def microbatch(self, indices: list[int], advantages: torch.Tensor | None, pad_to_multiple: int, device) -> dict:
         """Rows ``indices`` as one THD micro-batch [1, T] with cu_seqlens; position t predicts token t + 1, so a
@@ -165,6 +174,10 @@ class StepRows:
         return batch
 
 
+def _padded(tokens: int, multiple: int) -> int:
+    return tokens + (-tokens) % multiple
+
+
 def _all_gather_rows(tensor: torch.Tensor, counts: torch.Tensor, group, device) -> torch.Tensor:
     """``tensor``'s rows from every rank of ``group`` (``counts``: how many each has), concatenated in rank order:
     one all-gather of the tensor padded to the largest count."""
@@ -172,4 +185,4 @@ def _all_gather_rows(tensor: torch.Tensor, counts: torch.Tensor, group, device) 
     padded[:tensor.shape[0]] = tensor.to(device)
     parts = [torch.empty_like(padded) for _ in range(len(counts))]
     dist.all_gather(parts, padded, group=group)
-    return torch.cat([part[:int(n)] for part, n in zip(parts, counts, strict=True)])
+    return torch.cat([part[:int(n)] for part, n in zip(parts, counts, strict=True)]).cpu()

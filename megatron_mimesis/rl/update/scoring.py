@@ -46,16 +46,15 @@ def score_rows(model_chunks, rows: list[tuple[list[int], list[int]]], max_tokens
     plan = plan_microbatches(step.lengths.tolist(), 1, max_tokens_per_microbatch)[0]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pad_to = tp if model_chunks[0].config.sequence_parallel else 1
-    batches = [step.microbatch(mb, None, pad_to, device) for mb in plan]
-    chunks = len(model_chunks)
-    iterators = [iter(batches) for _ in range(chunks)] if chunks > 1 else iter(batches)
+    streams = [step.microbatches(plan, None, pad_to, device) for _ in range(len(model_chunks))]
+    iterators = [batches for batches, _ in streams] if len(streams) > 1 else streams[0][0]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         model_chunks[0].config.variable_seq_lengths = True
     for m in model_chunks:
         m.eval()
     outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iterators, model=model_chunks, num_microbatches=len(batches),
-        seq_length=max(b["tokens"].shape[1] for b in batches), micro_batch_size=1, forward_only=True,
+        forward_step_func=_forward_step, data_iterator=iterators, model=model_chunks, num_microbatches=len(plan),
+        seq_length=streams[0][1], micro_batch_size=1, forward_only=True,
         collect_non_loss_data=True,
     )
     for m in model_chunks:

@@ -13,8 +13,11 @@ GPU kernel's ``ctx.save_for_backward`` holds, read from that kernel's source:
 * TE RMSNorm (``LayerNormLinear``'s norm, ``TENorm``): the input made contiguous (a q/k norm's input is a view into
   the fused qkv projection, whose storage TE's copy lets go) and the fp32 1/rms per row; the normalised output is
   kept by the linear that follows (TE saves its local, not gathered, copy under sequence parallelism).
-* TE ``DotProductAttention`` (flash / cuDNN fused attention): q, k and v as contiguous tensors, the output, and the
-  fp32 softmax log-sum-exp per head and token; no S x S matrix.
+* TE ``DotProductAttention`` (flash / cuDNN fused attention): q and k as contiguous tensors (RoPE and the q/k norms
+  made them new ones), v as it comes, the output, and the fp32 softmax log-sum-exp per head and token; no S x S
+  matrix. v is a slice of the fused qkv projection's output along the last dimension, which flash-attn's varlen
+  path (THD) takes without a copy (its ``maybe_contiguous`` copies only a non-unit last stride), so the saved v keeps
+  the whole projection output alive.
 * TE fused RoPE: only the frequencies, which every layer shares (excluded; counted once with the embedding).
 * fla ``causal_conv1d``: its input made contiguous (``input_guard``) and the weight.
 * fla ``l2norm``: the output and the fp32 1/norm per row.
@@ -78,7 +81,7 @@ def gpu_saved_sets():
     def te_attention(self, query, key, value, *args, **kwargs):
         grad = _needs_grad(query, key, value)
         out = query.new_zeros(*query.shape[:-2], query.shape[-2] * value.shape[-1])
-        _keep(grad, query.contiguous(), key.contiguous(), value.contiguous(), out)
+        _keep(grad, query.contiguous(), key.contiguous(), value, out)
         _keep_new(grad, query.shape[:-1], torch.float32)
         return _output(out, grad)
 

@@ -359,8 +359,9 @@ def _checkpoint_groups(config, layers: tuple[str, ...]) -> tuple[list[tuple[str,
 
 def loss_backward_bytes(config, tokens: int, vocab_rows: int) -> float:
     """Peak of ``LinearLogprob.backward`` on this rank: grad_h (fp32 under TP, summed across the group), grad_W in
-    fp32 over the shard's rows, and one chunk of d logits; at its return both gradients are cast to the model's
-    dtype while the fp32 ones are still held."""
+    fp32 over the shard's rows, one chunk of d logits and the chunk's ``d_logits @ W`` (in the model's dtype, before
+    it is written into grad_h); at its return both gradients are cast to the model's dtype while the fp32 ones are
+    still held."""
     from megatron_mimesis.kernels.linear_logprob import backward_chunk_tokens
 
     element = 2 if config.bf16 else 4
@@ -371,7 +372,7 @@ def loss_backward_bytes(config, tokens: int, vocab_rows: int) -> float:
     chunk = min(tokens, backward_chunk_tokens(width, element))
     grad_h = tokens * hidden * (4 if tp > 1 else element)
     grad_w = vocab_rows * hidden * 4
-    in_loop = grad_h + grad_w + chunk * width * element
+    in_loop = grad_h + grad_w + chunk * width * element + chunk * hidden * element
     at_return = grad_h + grad_w + vocab_rows * hidden * element + (tokens * hidden * element if tp > 1 else 0)
     return max(in_loop, at_return)
 
@@ -477,11 +478,14 @@ def cheapest_fit(config, world_size: int, workload_for: Callable, smaller: Calla
     from megatron_mimesis.training.config import ConfigError
 
     def recompute(candidate) -> list[dict]:
-        if candidate.recompute_granularity == "full":
+        """Recomputing more layers than the candidate does: block recompute of the first n, then every layer."""
+        if candidate.recompute_granularity == "full" and candidate.recompute_method == "uniform":
             return []
         layers = candidate.preset.num_layers // candidate.pipeline_model_parallel_size
+        already = candidate.recompute_num_layers or 0 if candidate.recompute_granularity == "full" else 0
         full = {"recompute_granularity": "full"}
-        return ([{**full, "recompute_method": "block", "recompute_num_layers": n} for n in range(1, layers + 1)]
+        return ([{**full, "recompute_method": "block", "recompute_num_layers": n}
+                 for n in range(already + 1, layers + 1)]
                 + [{**full, "recompute_method": "uniform", "recompute_num_layers": 1}])
 
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
