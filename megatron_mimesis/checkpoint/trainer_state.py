@@ -37,8 +37,8 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mimesis.checkpoint import optimizer_state
-from megatron_mimesis.checkpoint.integrity import record_files, verify_written
+from megatron_mimesis.checkpoint import optimizer_state, retention
+from megatron_mimesis.checkpoint.integrity import record_files, verify_files, verify_written
 from megatron_mimesis.checkpoint.reader import (
     RUN_CONFIG,
     TOKENIZER_SUBDIR,
@@ -46,6 +46,7 @@ from megatron_mimesis.checkpoint.reader import (
     checkpoint_dir,
     checkpoint_iteration,
     newest_complete,
+    published_iterations,
 )
 from megatron_mimesis.checkpoint.writer import publish, save_request
 from megatron_mimesis.failures import root_cause
@@ -165,10 +166,15 @@ class CheckpointSaver:
 
     The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a complete
     HF directory even after the data cache it came from has changed.
+
+    Retention (``keep_last_n``, ``keep_every``: ``retention.py``) deletes older checkpoints after a publication, and
+    only once the published checkpoint verifies against its ``files.json`` where it now lies; a checkpoint that does
+    not verify is neither counted nor deleted.
     """
 
-    def __init__(self, root: str | Path, *, asynchronous: bool):
+    def __init__(self, root: str | Path, *, asynchronous: bool, keep_last_n: int | None, keep_every: int | None):
         self.root = Path(root)
+        self.keep_last_n, self.keep_every = keep_last_n, keep_every
         self._calls = AsyncCallsQueue() if asynchronous else None
         self._writing: int | None = None  # the iteration whose write is in flight
         self.last_saved: int | None = None  # the iteration this run last saved (or resumed from) in root
@@ -223,8 +229,21 @@ class CheckpointSaver:
                 raise CheckpointError(problem)
             record_files(tmp)
             publish(tmp, self.root, iteration)
+            self._retire_older(iteration)
 
         _on_rank_zero(publish_on_rank_zero, self._failed(iteration))
+
+    def _retire_older(self, published: int) -> None:
+        """Delete the checkpoints retention no longer keeps, once ``published`` verifies where it now lies."""
+        if self.keep_last_n is None:
+            return
+        problem = verify_files(checkpoint_dir(self.root, published))
+        if problem:
+            raise CheckpointError(f"{problem}; no older checkpoint deleted")
+        retention.remove_leftovers(self.root)
+        complete = [i for i in published_iterations(self.root) if verify_files(checkpoint_dir(self.root, i)) is None]
+        for iteration in retention.deletable(complete, published, self.keep_last_n, self.keep_every):
+            retention.delete(checkpoint_dir(self.root, iteration))
 
     def _failed(self, iteration: int) -> str:
         return f"save of iteration {iteration} to {self.root} failed"
