@@ -124,6 +124,9 @@ class TrainConfig:
     keep_every: int | None = field(default=None, metadata={"help": (
         "with keep_last_n, also keep every checkpoint whose iteration is a multiple of this (e.g. for evaluation); "
         "a multiple of save_interval")})
+    ckpt_write_gb_per_s: float = field(default=1.0, metadata={"help": (
+        "the filesystem's sustained write rate per node, in GB/s, that the plan's checkpoint write time and the "
+        "SLURM lead times assume (Lustre / GPFS clients sustain 1-5; the low end, for a filesystem the job shares)")})
     # logging
     log_dir: str = "runs/demo"
     log_interval: int = 1
@@ -165,7 +168,7 @@ class TrainConfig:
         "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
         "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE, "keep_last_n": AT_LEAST_1,
-        "keep_every": AT_LEAST_1,
+        "keep_every": AT_LEAST_1, "ckpt_write_gb_per_s": POSITIVE,
         "max_consecutive_skipped_iters": AT_LEAST_1, "distributed_timeout_minutes": AT_LEAST_1,
         # the preset's sizes, as model_overrides may set them (checked on the resolved preset, where its family has them)
         **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (

@@ -46,6 +46,7 @@ def test_every_numeric_option_and_preset_size_has_a_range(cls):
     ({"clip_grad": float("nan")}, "clip_grad must be a finite number, got nan"),
     ({"max_consecutive_skipped_iters": 0}, "max_consecutive_skipped_iters must be at least 1, got 0"),
     ({"keep_last_n": 0, "save": "ckpt"}, "keep_last_n must be at least 1, got 0"),
+    ({"ckpt_write_gb_per_s": 0.0}, "ckpt_write_gb_per_s must be greater than 0, got 0"),
     ({"keep_last_n": 2}, r"keep_last_n is set but save \(the checkpoint directory\) is not"),
     ({"keep_every": 100, "save": "ckpt", "save_interval": 50}, "keep_every keeps checkpoints that keep_last_n would "
                                                                "delete: set keep_last_n too"),
