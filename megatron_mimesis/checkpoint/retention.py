@@ -2,7 +2,7 @@
 multiple of ``keep_every``; the rest are deleted, and only once a newer checkpoint is published and verified.
 
 One rule, :func:`deletable`, serves both the run (``trainer_state.CheckpointSaver`` applies it after each
-publication) and the plan (:func:`on_disk`, what the save directory must hold at most, which the memory plan prints
+publication) and the plan (:func:`most_on_disk`, what the save directory must hold at most, which the memory plan prints
 and the start-up space check asks for). Without ``keep_last_n`` every checkpoint is kept.
 
 A deleted checkpoint is first renamed out of the ``iter_N`` namespace (``iter_N.deleting``), so no reader sees half
@@ -28,16 +28,16 @@ def deletable(iterations: Iterable[int], published: int, keep_last_n: int | None
     return [i for i in older[keep_last_n - 1:] if not (keep_every and i % keep_every == 0)]
 
 
-def on_disk(saves: list[int], keep_last_n: int | None, keep_every: int | None) -> tuple[int, int]:
-    """(most checkpoints on disk at once, checkpoints left at the end) for a run that saves at ``saves``: each new
-    one is written and published before the ones it supersedes are deleted."""
+def most_on_disk(saves: list[int], keep_last_n: int | None, keep_every: int | None) -> int:
+    """The most checkpoints on disk at once for a run that saves at ``saves``: each new one is written and published
+    before the ones it supersedes are deleted."""
     kept: set[int] = set()
     most = 0
     for iteration in sorted(saves):
         kept.add(iteration)
         most = max(most, len(kept))
         kept -= set(deletable(kept, iteration, keep_last_n, keep_every))
-    return most, len(kept)
+    return most
 
 
 def delete(directory: Path) -> None:

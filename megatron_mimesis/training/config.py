@@ -395,7 +395,7 @@ class TrainConfig:
         Called before the process group starts (the size comes from the memory plan's one-rank world)."""
         if not self.save:
             return
-        from megatron_mimesis.checkpoint.retention import on_disk
+        from megatron_mimesis.checkpoint.retention import most_on_disk
         from megatron_mimesis.training.memory.checkpoint import readable_bytes
         from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
 
@@ -406,7 +406,7 @@ class TrainConfig:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"save: {existing} is not writable")
         size = planned_checkpoint_bytes(self, world_size)
-        count, _ = on_disk(self.planned_saves(), self.keep_last_n, self.keep_every)
+        count = most_on_disk(self.planned_saves(), self.keep_last_n, self.keep_every)
         held = sum(f.stat().st_size for f in path.glob("iter_*/**/*") if f.is_file()) if path.is_dir() else 0
         free, needed = shutil.disk_usage(existing).free, max(size, count * size - held)
         if free < needed:

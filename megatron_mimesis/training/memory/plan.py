@@ -242,7 +242,7 @@ def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column:
     """Not GPU memory, in the same table: one checkpoint's size, the share of the node that writes the most of it and
     its planned write time, which the SLURM lead times are derived from (``training/lead_times.py``), and what the
     save directory holds at most under the run's retention (``checkpoint/retention.py``)."""
-    from megatron_mimesis.checkpoint.retention import on_disk
+    from megatron_mimesis.checkpoint.retention import most_on_disk
     from megatron_mimesis.training.lead_times import lead_times
 
     size = checkpoint_bytes(config, stages)
@@ -250,7 +250,7 @@ def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column:
     seconds = write_seconds(max(nodes), config)
     signal_lead, shutdown = lead_times(config.stage, seconds)
     saves = config.planned_saves()
-    most, _ = on_disk(saves, config.keep_last_n, config.keep_every)
+    most = most_on_disk(saves, config.keep_last_n, config.keep_every)
     retention = (f"keep_last_n {config.keep_last_n}" + (f", keep_every {config.keep_every}" if config.keep_every else "")
                  if config.keep_last_n else "every checkpoint kept (no keep_last_n)")
     return [
