@@ -15,8 +15,10 @@ is a few N-D boxes of the parameter (:func:`flat_range_boxes`, at most 2 x ndim 
 ``ShardedTensor`` of the same key, global shape and dtype that ``fully_reshardable`` writes
 (``optimizer.state.{param,exp_avg,exp_avg_sq}.<weight key>``, a factory's parts as its parts). Nothing is
 gathered or copied: every box is a view of the rank's own state, every rank writes its boxes, and a load asks for
-the boxes of the loading layout, which torch DCP reads from whatever boxes overlap them, so each rank reads its
-share whatever the layout that wrote it. A checkpoint written ``fully_reshardable`` loads the same way.
+the boxes of the loading layout, which torch DCP reads from whatever stored boxes overlap them: at the layout that
+wrote it each rank reads its own share; at another, the stored boxes its own overlap (a parameter the new TP splits
+along its columns overlaps all of them), one at a time. A checkpoint written ``fully_reshardable`` loads the same
+way.
 
 :func:`install` puts :func:`sharded_param_state` in the place of megatron's ``sharded_param_state_fs_model_space``,
 so that megatron's own ``sharded_state_dict`` (chained optimizers, the allocation before a load, the common state)

@@ -6,9 +6,9 @@ killed at any moment leaves ``latest`` on a complete checkpoint. ``--load`` veri
 and, when it is missing or damaged anyway (a disk that lost a shard), resumes from the newest complete one and
 says what it skipped.
 
-*Fully parallel.* Every rank writes, and reads, its own share: the distributed optimizer's state in model space, each
-data-parallel rank its own shard of it (``optimizer_state.py``: nothing gathered, reloadable at another TP/PP/DP
-layout), and the weights split between the data-parallel ranks by megatron's fully parallel save and load wrappers
+*Fully parallel.* Every rank writes, and at the same layout reads, its own share: the distributed optimizer's state in
+model space, each data-parallel rank its own shard of it (``optimizer_state.py``: nothing gathered, reloadable at
+another TP/PP/DP layout), and the weights split between the data-parallel ranks by megatron's fully parallel save and load wrappers
 (Megatron-LM's ``--ckpt-fully-parallel-save`` / ``--ckpt-fully-parallel-load``), which read each weight once per
 data-parallel group and hand it to the others.
 
