@@ -55,16 +55,25 @@ def _random_adam_state(optimizer, seed: int) -> None:
                 state[name].copy_(torch.rand(state[name].shape, generator=generator))
 
 
+def former_state(trainer) -> dict:
+    """The trainer's checkpoint state as this project saved it before its saves were fully parallel: the optimizer
+    state ``fully_reshardable``."""
+    from megatron_mimesis.checkpoint import trainer_state
+
+    state = trainer_state._sharded_state_dict(trainer.model, trainer.optimizer, trainer.scheduler, {},
+                                              is_loading=False, rng=True)
+    model_sd = {k: v for chunk_sd in trainer_state._model_state(trainer.model).values() for k, v in chunk_sd.items()}
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, metadata=FORMER_METADATA)
+    return state
+
+
 def _state(trainer, way: str) -> dict:
     from megatron_mimesis.checkpoint import trainer_state
 
     if way == "parallel":
         return trainer_state._sharded_state_dict(trainer.model, trainer.optimizer, trainer.scheduler, {},
-                                                 is_loading=False, rng=False)
-    state = trainer_state._model_state(trainer.model)
-    model_sd = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, metadata=FORMER_METADATA)
-    return state
+                                                 is_loading=False, rng=True)
+    return former_state(trainer)
 
 
 def _save_three_ways(rank, world_size, overrides: dict, directory: str) -> dict:

@@ -2,6 +2,7 @@
 own optimizer shard and half the weights, no rank holds the other's optimizer state while saving, each reads only
 its share back, and a checkpoint reloads exactly at its own layout and at others (DP 2 -> 1, TP 1 -> 2)."""
 
+import json
 import math
 import re
 from collections import Counter
@@ -120,3 +121,45 @@ def test_each_rank_writes_its_share_holds_only_its_state_and_the_checkpoint_resh
         assert again.keys() == reference.keys(), name
         differing = [k for k in reference if not torch.equal(reference[k], again[k])]
         assert not differing, (name, differing)
+
+
+def _former_format_round_trip(rank, world_size, root: str) -> bool:
+    """A checkpoint saved ``fully_reshardable`` (this project's format before), loaded back by ``load_checkpoint``:
+    whether every optimizer state tensor of the rank is the one saved."""
+    import torch.distributed as dist
+
+    from megatron_mimesis.checkpoint import trainer_state
+    from megatron_mimesis.checkpoint.writer import save_request
+    from megatron_mimesis.compat import enable_cpu_compat
+    from megatron_mimesis.models.presets import preset_record
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.train import Trainer
+    from tools.bench_async_save import _random_adam_state, former_state
+
+    enable_cpu_compat(announce=False)
+    config = TrainConfig(model_overrides={"vocab_size": 512})
+    trainer = Trainer(config, tokenizer_dir=None)
+    _random_adam_state(trainer.optimizer, seed=rank)
+    states = [state for inner in trainer_state._inner_torch_optimizers(trainer.optimizer)
+              for state in inner.state.values()]
+    saved = [{k: v.clone() for k, v in state.items()} for state in states]
+    directory = checkpoint_dir(root, 1)
+    if rank == 0:
+        directory.mkdir(parents=True)
+    dist.barrier()
+    save_request(former_state(trainer), directory, forked=False).execute_sync()
+    if rank == 0:
+        (directory / "run_config.json").write_text(json.dumps({
+            "preset": preset_record(config.preset), "padded_vocab_size": trainer.provider.padded_vocab_size,
+            "layout": trainer_state.current_layout()}))
+        (Path(root) / "latest").write_text("1\n")
+    dist.barrier()
+    for state in states:
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name].zero_()
+    trainer_state.load_checkpoint(root, trainer.model, trainer.optimizer, trainer.scheduler, config.preset)
+    return all(torch.equal(state[k], before[k]) for state, before in zip(states, saved, strict=True) for k in before)
+
+
+def test_a_checkpoint_of_the_former_format_loads_into_each_ranks_shard(tmp_path):
+    assert run_distributed(_former_format_round_trip, 2, str(tmp_path)) == [True, True]
