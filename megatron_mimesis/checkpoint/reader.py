@@ -123,6 +123,12 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     raise first_problem
 
 
+def published_iterations(root: str | Path) -> list[int]:
+    """The iterations with an ``iter_N`` directory under ``root`` (complete or not; not a ``.old`` one)."""
+    return sorted(int(m.group(1)) for d in Path(root).iterdir()
+                  if (m := _ITER_NAME.fullmatch(d.name)) and m.group(2) is None)
+
+
 def newest_complete(root: str | Path) -> tuple[Path, list[str]]:
     """What ``--load root`` resumes from: the checkpoint ``latest`` names when it is complete, else the newest
     complete one; with the reasons for each checkpoint passed over (empty when ``latest``'s was taken). A crafted

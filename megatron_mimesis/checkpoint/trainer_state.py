@@ -4,8 +4,13 @@ Layout: ``SAVE/iter_0000100/`` (a dist checkpoint plus ``run_config.json`` and `
 checksum of every file) and ``SAVE/latest`` holding the iteration, written atomically by ``writer.py``, so a run
 killed at any moment leaves ``latest`` on a complete checkpoint. ``--load`` verifies it first
 and, when it is missing or damaged anyway (a disk that lost a shard), resumes from the newest complete one and
-says what it skipped. The distributed optimizer state is saved ``fully_reshardable``, so a checkpoint reloads at
-another TP/PP/DP layout.
+says what it skipped.
+
+*Fully parallel.* Every rank writes, and at the same layout reads, its own share: the distributed optimizer's state in
+model space, each data-parallel rank its own shard of it (``optimizer_state.py``: nothing gathered, reloadable at
+another TP/PP/DP layout), and the weights split between the data-parallel ranks by megatron's fully parallel save and load wrappers
+(Megatron-LM's ``--ckpt-fully-parallel-save`` / ``--ckpt-fully-parallel-load``), which read each weight once per
+data-parallel group and hand it to the others.
 
 One repair lives here. megatron's distributed optimizer, when it falls back to ``torch.optim.Adam`` (no
 Transformer Engine / Apex: every CPU run, and GPU installs without them), cannot checkpoint correctly:
@@ -28,9 +33,12 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mimesis.checkpoint.integrity import record_files, verify_written
+from megatron_mimesis.checkpoint import optimizer_state, retention
+from megatron_mimesis.checkpoint.integrity import record_files, verify_files, verify_written
 from megatron_mimesis.checkpoint.reader import (
     RUN_CONFIG,
     TOKENIZER_SUBDIR,
@@ -38,11 +46,12 @@ from megatron_mimesis.checkpoint.reader import (
     checkpoint_dir,
     checkpoint_iteration,
     newest_complete,
+    published_iterations,
 )
 from megatron_mimesis.checkpoint.writer import publish, save_request
 from megatron_mimesis.failures import root_cause
 
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+optimizer_state.install()
 
 
 def _unwrap(chunk):
@@ -126,7 +135,8 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, i
     model_sd = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
     if is_loading:
         _prepare_adam_for_load(optimizer)
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                      metadata=optimizer_state.OPTIMIZER_METADATA)
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["progress"] = progress
     if rng:
@@ -156,10 +166,15 @@ class CheckpointSaver:
 
     The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a complete
     HF directory even after the data cache it came from has changed.
+
+    Retention (``keep_last_n``, ``keep_every``: ``retention.py``) deletes older checkpoints after a publication, and
+    only once the published checkpoint verifies against its ``files.json`` where it now lies; a checkpoint that does
+    not verify is neither counted nor deleted.
     """
 
-    def __init__(self, root: str | Path, *, asynchronous: bool):
+    def __init__(self, root: str | Path, *, asynchronous: bool, keep_last_n: int | None, keep_every: int | None):
         self.root = Path(root)
+        self.keep_last_n, self.keep_every = keep_last_n, keep_every
         self._calls = AsyncCallsQueue() if asynchronous else None
         self._writing: int | None = None  # the iteration whose write is in flight
         self.last_saved: int | None = None  # the iteration this run last saved (or resumed from) in root
@@ -178,7 +193,7 @@ class CheckpointSaver:
         self.last_saved = iteration
         state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
         with self._failures_raised(iteration):
-            request = save_request(state, tmp, forked=self._calls is not None)
+            request = save_request(state, tmp, forked=self._calls is not None, parallel_group=_data_parallel_group())
             request.add_finalize_fn(partial(self._publish, tmp, iteration, run_config, tokenizer_dir))
             if self._calls is None:
                 request.execute_sync()
@@ -214,8 +229,21 @@ class CheckpointSaver:
                 raise CheckpointError(problem)
             record_files(tmp)
             publish(tmp, self.root, iteration)
+            self._retire_older(iteration)
 
         _on_rank_zero(publish_on_rank_zero, self._failed(iteration))
+
+    def _retire_older(self, published: int) -> None:
+        """Delete the checkpoints retention no longer keeps, once ``published`` verifies where it now lies."""
+        if self.keep_last_n is None:
+            return
+        problem = verify_files(checkpoint_dir(self.root, published))
+        if problem:
+            raise CheckpointError(f"{problem}; no older checkpoint deleted")
+        retention.remove_leftovers(self.root)
+        complete = [i for i in published_iterations(self.root) if verify_files(checkpoint_dir(self.root, i)) is None]
+        for iteration in retention.deletable(complete, published, self.keep_last_n, self.keep_every):
+            retention.delete(checkpoint_dir(self.root, iteration))
 
     def _failed(self, iteration: int) -> str:
         return f"save of iteration {iteration} to {self.root} failed"
@@ -285,8 +313,9 @@ def load_checkpoint(root: str | Path, model_chunks, optimizer, scheduler, preset
     same_layout = saved.get("layout") == current_layout()
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, {}, is_loading=True,
                                 rng=restore_rng and same_layout)
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _parallel_load(state, path)
     _load_model(model_chunks, loaded)
+    optimizer_state.mark_loaded(loaded["optimizer"])
     try:
         optimizer.load_state_dict(loaded["optimizer"])
     except KeyError as exc:  # megatron keys parameter groups by their hyperparameters
@@ -304,9 +333,20 @@ def load_model_weights(root: str | Path, model_chunks, preset) -> int:
     optimizer, e.g. SFT from the mid-training checkpoint, at any layout); returns the source iteration."""
     path = _resumable(root)
     _saved_run_config(path, preset)
-    loaded = dist_checkpointing.load(_model_state(model_chunks), str(path))
-    _load_model(model_chunks, loaded)
+    _load_model(model_chunks, _parallel_load(_model_state(model_chunks), path))
     return checkpoint_iteration(path)
+
+
+def _data_parallel_group():
+    """The group whose ranks hold the same weights: the one a fully parallel save or load splits them over."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _parallel_load(state: dict, path: Path) -> dict:
+    """megatron's fully parallel load of ``state`` from ``path``: each weight is read by one rank of the data-parallel
+    group and broadcast to the others; what only one rank asks for (its optimizer shard) it reads itself."""
+    strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), _data_parallel_group())
+    return dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
 
 
 def _resumable(root: str | Path) -> Path:

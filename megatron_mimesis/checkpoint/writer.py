@@ -53,6 +53,7 @@ from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistSaveShardedStrategy,
@@ -129,12 +130,21 @@ def _tied_to(parent_pid: int, write, *args, **kwargs) -> None:
     write(*args, **kwargs)
 
 
-def save_request(state: dict, directory: str | Path, *, forked: bool) -> AsyncRequest:
+def save_request(state: dict, directory: str | Path, *, forked: bool,
+                 parallel_group: dist.ProcessGroup | None = None) -> AsyncRequest:
     """megatron-core's save of ``state`` into ``directory`` as a request to run: ``execute_sync()`` here, or on an
-    ``AsyncCallsQueue``, in a writer forked from this rank (``forked``) that dies with it."""
+    ``AsyncCallsQueue``, in a writer forked from this rank (``forked``) that dies with it.
+
+    With ``parallel_group`` (the data-parallel group) the save is megatron's fully parallel one
+    (``FullyParallelSaveStrategyWrapper``, Megatron-LM's ``--ckpt-fully-parallel-save``): the tensors every rank of
+    the group holds, the weights, are split between them by size, so each rank writes its share instead of the
+    group's first rank writing them all; what only one rank holds (its optimizer shard) it writes itself."""
     results = _ForkedWriteResults() if forked else _WriteResults()
     filesystem_async._results_queue = results
-    request = dist_checkpointing.save(state, str(directory), async_sharded_save=True, async_strategy="mcore")
+    strategy = None if parallel_group is None else FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(),
+                                                                                      parallel_group)
+    request = dist_checkpointing.save(state, str(directory), sharded_strategy=strategy, async_sharded_save=True,
+                                      async_strategy="mcore")
     if forked and request.async_fn is not None:  # None: nothing of the checkpoint is this rank's to write
         results.start()
         request = request._replace(async_fn=partial(_tied_to, os.getpid(), request.async_fn))

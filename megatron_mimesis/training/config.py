@@ -118,6 +118,15 @@ class TrainConfig:
     # write each checkpoint in a forked writer while training goes on (megatron-core's async save): a step pays only
     # the copy of its state to host memory; off: the step waits for the write
     async_save: bool = True
+    keep_last_n: int | None = field(default=None, metadata={"help": (
+        "keep only the newest N checkpoints in save: an older one is deleted once a newer one is published and "
+        "verified (default: keep every checkpoint)")})
+    keep_every: int | None = field(default=None, metadata={"help": (
+        "with keep_last_n, also keep every checkpoint whose iteration is a multiple of this (e.g. for evaluation); "
+        "a multiple of save_interval")})
+    ckpt_write_gb_per_s: float = field(default=1.0, metadata={"help": (
+        "the filesystem's sustained write rate per node, in GB/s, that the plan's checkpoint write time and the "
+        "SLURM lead times assume (Lustre / GPFS clients sustain 1-5; the low end, for a filesystem the job shares)")})
     # logging
     log_dir: str = "runs/demo"
     log_interval: int = 1
@@ -158,7 +167,8 @@ class TrainConfig:
         "adam_eps": POSITIVE, "clip_grad": NON_NEGATIVE, "recompute_num_layers": AT_LEAST_1,
         "num_workers": NON_NEGATIVE, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_1,
         "save_interval": AT_LEAST_1, "log_interval": AT_LEAST_1, "max_skipped_iters": AT_LEAST_1,
-        "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE,
+        "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE, "keep_last_n": AT_LEAST_1,
+        "keep_every": AT_LEAST_1, "ckpt_write_gb_per_s": POSITIVE,
         "max_consecutive_skipped_iters": AT_LEAST_1, "distributed_timeout_minutes": AT_LEAST_1,
         # the preset's sizes, as model_overrides may set them (checked on the resolved preset, where its family has them)
         **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (
@@ -305,6 +315,14 @@ class TrainConfig:
             raise ConfigError(f"ckpt_format must be torch_dist, not {self.ckpt_format!r}")
         if self.save_interval and not self.save:
             raise ConfigError("save_interval is set but save (the checkpoint directory) is not")
+        if self.keep_last_n and not self.save:
+            raise ConfigError("keep_last_n is set but save (the checkpoint directory) is not")
+        if self.keep_every and not self.keep_last_n:
+            raise ConfigError("keep_every keeps checkpoints that keep_last_n would delete: set keep_last_n too (without "
+                              "it every checkpoint is kept)")
+        if self.keep_every and (not self.save_interval or self.keep_every % self.save_interval):
+            raise ConfigError(f"keep_every {self.keep_every} is not a multiple of save_interval {self.save_interval}: "
+                              f"no periodic checkpoint would be kept by it")
         if self.gpu not in GPU_MEMORY_GIB and self.gpu_memory_gib is None:
             raise ConfigError(f"gpu: unknown GPU {self.gpu!r}; choose one of {sorted(GPU_MEMORY_GIB)} or give its "
                               f"memory with gpu_memory_gib")
@@ -362,13 +380,22 @@ class TrainConfig:
                 f"schedule from its weights with --finetune"
             )
 
+    def planned_saves(self) -> list[int]:
+        """The iterations a run of this config (with ``save``) saves at when nothing stops it early: every
+        ``save_interval``, and the end."""
+        periodic = list(range(self.save_interval, self.train_iters + 1, self.save_interval)) if self.save_interval else []
+        return periodic if periodic and periodic[-1] == self.train_iters else [*periodic, self.train_iters]
+
     def check_save_dir(self, world_size: int) -> None:
         """At the start of a run, not at its first save: ``save`` must be a writable directory (or creatable in
-        one) with room for a checkpoint, so the hours before the first save are not lost to a typo or a full disk.
-        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoint.
+        one) with room for the checkpoints the run keeps at once (every one it saves without ``keep_last_n``; with it,
+        the newest N, those ``keep_every`` keeps, and the next one before an older one is deleted), less what its
+        checkpoints already there take; so the hours before a save are not lost to a typo, a full disk or a quota.
+        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoints.
         Called before the process group starts (the size comes from the memory plan's one-rank world)."""
         if not self.save:
             return
+        from megatron_mimesis.checkpoint.retention import most_on_disk
         from megatron_mimesis.training.memory.checkpoint import readable_bytes
         from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
 
@@ -378,10 +405,15 @@ class TrainConfig:
             raise ConfigError(f"save: {existing} is not a directory")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"save: {existing} is not writable")
-        free, needed = shutil.disk_usage(existing).free, planned_checkpoint_bytes(self, world_size)
+        size = planned_checkpoint_bytes(self, world_size)
+        count = most_on_disk(self.planned_saves(), self.keep_last_n, self.keep_every)
+        held = sum(f.stat().st_size for f in path.glob("iter_*/**/*") if f.is_file()) if path.is_dir() else 0
+        free, needed = shutil.disk_usage(existing).free, max(size, count * size - held)
         if free < needed:
-            raise ConfigError(f"save: no space left for a checkpoint in {existing}: {readable_bytes(free)} free, "
-                              f"a checkpoint of this run takes about {readable_bytes(needed)}")
+            fewer = "" if self.keep_last_n or count == 1 else ": keep fewer with keep_last_n"
+            raise ConfigError(f"save: no space left for the checkpoints of this run in {existing}: {readable_bytes(free)} "
+                              f"free, {readable_bytes(needed)} needed ({count} checkpoint{'s' * (count > 1)} of about "
+                              f"{readable_bytes(size)} on disk at once){fewer}")
 
     # ------------------------------------------------------------------
     @classmethod

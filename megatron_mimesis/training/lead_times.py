@@ -1,6 +1,7 @@
 """How long before its time limit a SLURM job must be told to stop, and how long torchrun then gives the ranks: the
 one source of ``#SBATCH --signal=B:USR1@T`` and ``SHUTDOWN_TIMEOUT`` in ``launch/slurm/*.sbatch`` (a test checks
-that they agree; ``mimesis-plan``/``--dry-run`` print the checkpoint's size and write time they come from).
+that they agree; ``mimesis-plan``/``--dry-run`` print the busiest node's share of a checkpoint and the write time they
+come from).
 
 After the signal a rank first reaches the loop's next stop point (the end of a training step; in RL the end of the
 phase it is in: a generation batch, the scoring, the teacher, the update), then waits for a periodic checkpoint
@@ -9,12 +10,11 @@ still being written, writes the stop's checkpoint and publishes it. So::
     SHUTDOWN_TIMEOUT = longest wait for a stop point + 2 x planned save time + PUBLISH_MARGIN_S
     --signal lead    = SHUTDOWN_TIMEOUT + REQUEUE_MARGIN_S
 
-each rounded up to a minute, the save time at the stated filesystem bandwidth (``memory/checkpoint.py``).
+each rounded up to a minute, the save time that of the node that writes the most of a checkpoint, at the stated
+filesystem bandwidth (``memory/checkpoint.py``, ``ckpt_write_gb_per_s``).
 """
 
 import math
-
-from megatron_mimesis.training.memory.checkpoint import save_seconds
 
 # The longest a rank of each stage's 9B config runs between two stop points, at the paper's throughput.
 LONGEST_WAIT_S = {
@@ -31,8 +31,7 @@ def _minutes(seconds: float) -> int:
     return 60 * math.ceil(seconds / 60)
 
 
-def lead_times(stage: str, checkpoint_bytes: float, world_size: int) -> tuple[int, int]:
-    """(--signal lead, SHUTDOWN_TIMEOUT) in seconds for ``stage`` saving checkpoints of ``checkpoint_bytes`` from
-    ``world_size`` GPUs."""
-    shutdown = _minutes(LONGEST_WAIT_S[stage] + 2 * save_seconds(checkpoint_bytes, world_size) + PUBLISH_MARGIN_S)
+def lead_times(stage: str, save_seconds: float) -> tuple[int, int]:
+    """(--signal lead, SHUTDOWN_TIMEOUT) in seconds for ``stage`` writing each checkpoint in ``save_seconds``."""
+    shutdown = _minutes(LONGEST_WAIT_S[stage] + 2 * save_seconds + PUBLISH_MARGIN_S)
     return _minutes(shutdown + REQUEUE_MARGIN_S), shutdown

@@ -147,7 +147,8 @@ class Trainer:
         if config.save:
             from megatron_mimesis.checkpoint.trainer_state import CheckpointSaver
 
-            self.checkpoints = CheckpointSaver(config.save, asynchronous=config.async_save)
+            self.checkpoints = CheckpointSaver(config.save, asynchronous=config.async_save,
+                                               keep_last_n=config.keep_last_n, keep_every=config.keep_every)
 
     # ------------------------------------------------------------------ setup
     def _build_model_and_optimizer(self):

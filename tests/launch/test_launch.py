@@ -33,9 +33,11 @@ def test_slurm_dry_run_has_paper_layout(fake):
     config = resolved["config"]
     assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
     assert "memory plan per GPU: 9b, TP=4 (SP) PP=1 DP=8 on 32 GPUs;" in out
-    # after the GPU total, in the same table: the checkpoint, its write time and the sbatch lead times from them
+    # after the GPU total, in the same table: the checkpoint, the busiest node's share of it (a quarter: every rank
+    # writes its own), its write time and the sbatch lead times from them
     assert re.search(r"^total \(GiB\) .*\ncheckpoint \(weights, fp32 main copy, Adam m, v\) +116\.\d\d  exact", out, re.M)
-    assert re.search(r"^checkpoint write at 1 GB/s per node \(4 nodes\) +31\.\d s  planned", out, re.M)
+    assert re.search(r"^checkpoint share of the busiest of 4 nodes +29\.\d\d  planned", out, re.M)
+    assert re.search(r"^checkpoint write at 1 GB/s per node +31\.\d s  planned", out, re.M)
     assert re.search(r"^SLURM lead: sbatch --signal=B:USR1@ +360 s .*\nSLURM lead: SHUTDOWN_TIMEOUT +240 s ", out, re.M)
     plan = resolved["memory_plan"]
     assert plan["fits"] and plan["gpu"] == "A100-80GB" and plan["columns"] == ["per GPU"]

@@ -72,17 +72,18 @@ def test_qwen3_trains_alike_in_every_layout_and_resumes_resharded(tiny_dataset, 
 
 
 def test_resume_continues_the_same_curve_and_reshards(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """Data parallel 2 with the distributed optimizer, each rank saving its own optimizer shard: a resume at the same
+    layout is bit-exact, and the checkpoint continues the same curve with one data-parallel rank and at TP=2."""
     init = ["--pretrained-hf", str(tiny_hf_checkpoint)]
-    tp2 = ["--tensor-model-parallel-size", "2"]
     # 4 steps straight, checkpoints at 2 and 4
-    run_trainer(2, *common_args(tiny_dataset, tmp_path / "full", *init, *tp2, "--train-iters", "4",
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "full", *init, "--train-iters", "4",
                                 "--save", str(tmp_path / "full" / "ckpt"), "--save-interval", "2"))
     # the same run killed after 2 steps (same schedule: train_iters stays 4), then resumed
-    run_trainer(2, *common_args(tiny_dataset, tmp_path / "part", *init, *tp2, "--train-iters", "4",
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "part", *init, "--train-iters", "4",
                                 "--save", str(tmp_path / "part" / "ckpt"), "--save-interval", "2",
                                 "--exit-interval", "2"))
     assert (tmp_path / "part" / "ckpt" / "latest").read_text().strip() == "2"
-    run_trainer(2, *common_args(tiny_dataset, tmp_path / "part", *tp2, "--train-iters", "4",
+    run_trainer(2, *common_args(tiny_dataset, tmp_path / "part", "--train-iters", "4",
                                 "--load", str(tmp_path / "part" / "ckpt"), "--save", str(tmp_path / "part" / "ckpt")))
     full, part = train_losses(tmp_path / "full"), train_losses(tmp_path / "part")
     assert part == full, (full, part)  # bit-identical loss curve
@@ -90,14 +91,15 @@ def test_resume_continues_the_same_curve_and_reshards(tiny_dataset, tiny_hf_chec
     assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg_sq.") for k in a)
     for name in a:
         assert torch.equal(a[name], b[name]), name  # Adam state (incl. its step count) restored exactly
-    # the TP=2 checkpoint at step 2 resumed at TP=1 continues the same curve
-    (tmp_path / "resharded").mkdir()
+    # the DP=2 checkpoint at step 2 resumed with one data-parallel rank, and at TP=2, continues the same curve
     latest = tmp_path / "full" / "ckpt" / "latest"
     latest.write_text("2\n")
-    run_trainer(1, *common_args(tiny_dataset, tmp_path / "resharded", "--train-iters", "4",
-                                "--load", str(tmp_path / "full" / "ckpt")))
-    resharded = train_losses(tmp_path / "resharded")
-    assert max(abs(x - y) for x, y in zip(resharded, full[2:], strict=True)) <= LAYOUT_TOL, (resharded, full)
+    for name, nproc, layout in (("dp1", 1, []), ("tp2", 2, ["--tensor-model-parallel-size", "2"])):
+        (tmp_path / name).mkdir()
+        run_trainer(nproc, *common_args(tiny_dataset, tmp_path / name, "--train-iters", "4", *layout,
+                                        "--load", str(tmp_path / "full" / "ckpt")))
+        resharded = train_losses(tmp_path / name)
+        assert max(abs(x - y) for x, y in zip(resharded, full[2:], strict=True)) <= LAYOUT_TOL, (name, resharded, full)
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_dataset, tmp_path):

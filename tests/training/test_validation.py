@@ -45,6 +45,13 @@ def test_every_numeric_option_and_preset_size_has_a_range(cls):
     ({"lr": float("inf")}, "lr must be a finite number, got inf"),
     ({"clip_grad": float("nan")}, "clip_grad must be a finite number, got nan"),
     ({"max_consecutive_skipped_iters": 0}, "max_consecutive_skipped_iters must be at least 1, got 0"),
+    ({"keep_last_n": 0, "save": "ckpt"}, "keep_last_n must be at least 1, got 0"),
+    ({"ckpt_write_gb_per_s": 0.0}, "ckpt_write_gb_per_s must be greater than 0, got 0"),
+    ({"keep_last_n": 2}, r"keep_last_n is set but save \(the checkpoint directory\) is not"),
+    ({"keep_every": 100, "save": "ckpt", "save_interval": 50}, "keep_every keeps checkpoints that keep_last_n would "
+                                                               "delete: set keep_last_n too"),
+    ({"keep_every": 120, "keep_last_n": 2, "save": "ckpt", "save_interval": 50},
+     "keep_every 120 is not a multiple of save_interval 50: no periodic checkpoint would be kept by it"),
     ({"model_overrides": {"num_layers": 0}}, "model_overrides.num_layers must be at least 1, got 0"),
     ({"model_overrides": {"hidden_size": 0}}, "model_overrides.hidden_size must be at least 1, got 0"),
     ({"model_overrides": {"rms_norm_eps": float("inf")}}, "model_overrides.rms_norm_eps must be a finite number"),
@@ -197,10 +204,23 @@ def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path, pla
         TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir(1)
     config = TrainConfig(model_overrides={"vocab_size": 512}, save=str(tmp_path / "new" / "ckpt"))
     assert planner.submit(save_dir_refusal, config, 1, 2**30).result() is None  # created at the first save
-    # the tiny model at vocab 512 (0.43M parameters, fp32: 16 bytes each), in readable units
+    # the tiny model at vocab 512 (0.43M parameters, fp32: 16 bytes each), in readable units; one save, at the end
     assert planner.submit(save_dir_refusal, config, 1, 3 * 2**20).result() == (
-        f"save: no space left for a checkpoint in {tmp_path}: 3.0 MiB free, a checkpoint of this run takes about "
-        f"6.6 MiB")
+        f"save: no space left for the checkpoints of this run in {tmp_path}: 3.0 MiB free, 6.6 MiB needed "
+        f"(1 checkpoint of about 6.6 MiB on disk at once)")
+    # every 20 of 200 steps: 10 checkpoints kept, or 3 at once with keep_last_n 2 (the next before the oldest goes)
+    config = config.replace(save_interval=20)
+    assert planner.submit(save_dir_refusal, config, 1, 30 * 2**20).result() == (
+        f"save: no space left for the checkpoints of this run in {tmp_path}: 30.0 MiB free, 66.3 MiB needed "
+        f"(10 checkpoints of about 6.6 MiB on disk at once): keep fewer with keep_last_n")
+    assert planner.submit(save_dir_refusal, config.replace(keep_last_n=2), 1, 30 * 2**20).result() is None
+    assert planner.submit(save_dir_refusal, config.replace(keep_last_n=2), 1, 19 * 2**20).result() == (
+        f"save: no space left for the checkpoints of this run in {tmp_path}: 19.0 MiB free, 19.9 MiB needed "
+        f"(3 checkpoints of about 6.6 MiB on disk at once)")
+    # a resumed run's checkpoints already there count towards what it keeps
+    (tmp_path / "new" / "ckpt" / "iter_0000020").mkdir(parents=True)
+    (tmp_path / "new" / "ckpt" / "iter_0000020" / "__0_0.distcp").write_bytes(bytes(10 * 2**20))
+    assert planner.submit(save_dir_refusal, config.replace(keep_last_n=2), 1, 13 * 2**20).result() is None
 
 
 def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys, monkeypatch, planner):

@@ -1,5 +1,5 @@
-"""What one checkpoint of a run takes on disk, from the real model the memory plan builds (``states.py``), and how
-long it takes to write at a stated filesystem bandwidth.
+"""What one checkpoint of a run takes on disk, from the real model the memory plan builds (``states.py``), which node
+writes the most of it, and how long that node takes at the stated filesystem bandwidth.
 
 A dist checkpoint holds every parameter of every pipeline stage once (tensor-parallel shards side by side,
 data-parallel replicas once, megatron's padded vocabulary rows included) in its training dtype, and for each parameter the optimizer state that
@@ -7,31 +7,77 @@ megatron-core's distributed optimizer saves: its fp32 main copy (saved even when
 and Adam's two moments. Gradients are not saved. What it leaves out is a fixed ~0.6 MiB (the ``.metadata`` index,
 the RNG states, the run config) plus the tokenizer copy: 8% of the tiny model's checkpoint, nothing at 9B. The norms
 replicated across tensor-parallel ranks are counted once per rank, a negligible excess.
+
+*Who writes what.* The save is fully parallel (``checkpoint/trainer_state.py``): each rank writes its own shard of the
+distributed optimizer's state, and megatron's ``FullyParallelSaveStrategyWrapper`` spreads the weights every rank of
+a data-parallel group holds over that group, largest first, each to the rank that has written least so far
+(``distribute_shards_to_ranks``, run here on the sizes of the tensors the rank's weights are saved as). Nothing is
+gathered before the write. Ranks fill the nodes in megatron's order (TP fastest, then data parallel, then PP), and
+the nodes write at once, so a checkpoint takes as long as its busiest node.
 """
 
 import math
 
 from megatron_mimesis.training.memory.states import ADAM_MOMENTS_BYTES, FP32_MASTER_BYTES
 
-# The parallel filesystem's sustained write rate per node that the lead times are planned for (Lustre / GPFS on A100
-# clusters sustain 1-5 GB/s per client node; the low end, since the nodes of a job share the filesystem with others).
-# Every node writes its ranks' shards at once, so a checkpoint takes its size / (nodes x this).
-WRITE_BYTES_PER_S_PER_NODE = 1e9
 GPUS_PER_NODE = 8  # the paper's A100 nodes (launch/slurm/*.sbatch)
 
 
 def checkpoint_bytes(config, stages) -> int:
     """One checkpoint of ``config``, whose pipeline stages the plan built as ``stages`` (``StageStates``)."""
-    weight_bytes = 2 if config.bf16 else 4
-    main_copy = FP32_MASTER_BYTES if config.bf16 or config.use_distributed_optimizer else 0
     tp = config.tensor_model_parallel_size
-    return sum(tp * s.parameters for s in stages) * (weight_bytes + main_copy + ADAM_MOMENTS_BYTES)
+    return sum(tp * s.parameters for s in stages) * (_weight_bytes(config) + _optimizer_bytes_per_parameter(config))
 
 
-def save_seconds(size_bytes: float, world_size: int) -> float:
-    """Writing a checkpoint of ``size_bytes`` from ``world_size`` GPUs at ``WRITE_BYTES_PER_S_PER_NODE``."""
-    nodes = math.ceil(world_size / GPUS_PER_NODE)
-    return size_bytes / (nodes * WRITE_BYTES_PER_S_PER_NODE)
+def _weight_bytes(config) -> int:
+    return 2 if config.bf16 else 4
+
+
+def _optimizer_bytes_per_parameter(config) -> int:
+    main_copy = FP32_MASTER_BYTES if config.bf16 or config.use_distributed_optimizer else 0
+    return main_copy + ADAM_MOMENTS_BYTES
+
+
+def rank_write_bytes(config, stage, dp: int) -> list[int]:
+    """What each of the ``dp`` ranks of a data-parallel group of pipeline stage ``stage`` writes: its optimizer
+    shard, and the weights megatron's fully parallel save gives it (replicated optimizer states, without the
+    distributed optimizer, are spread like the weights)."""
+    from megatron.core.dist_checkpointing.exchange_utils import distribute_shards_to_ranks
+
+    everyone = list(range(dp))
+    sizes, holders = {}, {}
+    for i, size in enumerate(stage.weight_shard_bytes):
+        sizes[("weight", i)], holders[("weight", i)] = size, everyone
+        if not config.use_distributed_optimizer:
+            elements = size // _weight_bytes(config)
+            sizes[("optimizer", i)] = elements * _optimizer_bytes_per_parameter(config)
+            holders[("optimizer", i)] = everyone
+    if config.use_distributed_optimizer:
+        for rank in everyone:
+            sizes[("optimizer shard", rank)] = stage.optimizer_elements * _optimizer_bytes_per_parameter(config)
+            holders[("optimizer shard", rank)] = [rank]
+    written = [0] * dp
+    for shard, rank in distribute_shards_to_ranks(holders, sizes, dp, set()).items():
+        written[rank] += sizes[shard]
+    return written
+
+
+def node_write_bytes(config, stages, world_size: int) -> list[int]:
+    """What each node of the job writes of one checkpoint: its ranks' shares (:func:`rank_write_bytes`), every
+    tensor-parallel rank counted as the first (whose stage the plan built)."""
+    tp = config.tensor_model_parallel_size
+    dp = config.data_parallel_size(world_size) * config.context_parallel_size
+    nodes = [0] * math.ceil(world_size / GPUS_PER_NODE)
+    for pipeline_rank, stage in enumerate(stages):
+        for dp_rank, written in enumerate(rank_write_bytes(config, stage, dp)):
+            for tp_rank in range(tp):
+                nodes[(tp_rank + tp * (dp_rank + dp * pipeline_rank)) // GPUS_PER_NODE] += written
+    return nodes
+
+
+def write_seconds(node_bytes: float, config) -> float:
+    """Writing ``node_bytes`` from one node at ``config.ckpt_write_gb_per_s``."""
+    return node_bytes / (config.ckpt_write_gb_per_s * 1e9)
 
 
 def readable_bytes(n: float) -> str:

@@ -32,11 +32,10 @@ from megatron_mimesis.training.memory.activations import (
     measure,
 )
 from megatron_mimesis.training.memory.checkpoint import (
-    GPUS_PER_NODE,
-    WRITE_BYTES_PER_S_PER_NODE,
     checkpoint_bytes,
+    node_write_bytes,
     readable_bytes,
-    save_seconds,
+    write_seconds,
 )
 from megatron_mimesis.training.memory.gpus import GPU_MEMORY_GIB, MARGIN
 from megatron_mimesis.training.memory.states import StageStates, stage_states
@@ -190,14 +189,23 @@ def cached_stage_states(config, world_size: int, pipeline_rank: int, microbatche
     return _stage_cache[key]
 
 
-def planned_checkpoint_bytes(config, world_size: int) -> int:
-    """One checkpoint of ``config`` on ``world_size`` ranks (``checkpoint.checkpoint_bytes``), in a process without a
-    process group yet (a rank before its trainer starts: the CPU adaptation it would enable anyway comes first)."""
+def _checkpoint_stages(config, world_size: int) -> list[StageStates]:
+    """Every pipeline stage of ``config`` on ``world_size`` ranks, in a process without a process group yet (a rank
+    before its trainer starts: the CPU adaptation it would enable anyway comes first)."""
     from megatron_mimesis.compat import enable_cpu_compat
 
     enable_cpu_compat()
-    return checkpoint_bytes(config, [cached_stage_states(config, world_size, r, 1)
-                                     for r in range(config.pipeline_model_parallel_size)])
+    return [cached_stage_states(config, world_size, r, 1) for r in range(config.pipeline_model_parallel_size)]
+
+
+def planned_checkpoint_bytes(config, world_size: int) -> int:
+    """One checkpoint of ``config`` on ``world_size`` ranks (``checkpoint.checkpoint_bytes``)."""
+    return checkpoint_bytes(config, _checkpoint_stages(config, world_size))
+
+
+def planned_node_write_bytes(config, world_size: int) -> list[int]:
+    """What each node writes of one checkpoint of ``config`` on ``world_size`` ranks (``checkpoint.node_write_bytes``)."""
+    return node_write_bytes(config, _checkpoint_stages(config, world_size), world_size)
 
 
 def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
@@ -231,28 +239,42 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
 
 
 def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column: str) -> list[Row]:
-    """Not GPU memory, in the same table: one checkpoint's size and its planned write time, which the SLURM lead
-    times are derived from (``training/lead_times.py``)."""
+    """Not GPU memory, in the same table: one checkpoint's size, the share of the node that writes the most of it and
+    its planned write time, which the SLURM lead times are derived from (``training/lead_times.py``), and what the
+    save directory holds at most under the run's retention (``checkpoint/retention.py``)."""
+    from megatron_mimesis.checkpoint.retention import most_on_disk
     from megatron_mimesis.training.lead_times import lead_times
 
     size = checkpoint_bytes(config, stages)
-    value, unit = readable_bytes(size).split()  # a readable unit below a GiB (a "GiB" row's values are bytes)
-    value = size if unit in ("GiB", "TiB") else float(value)
-    unit = "GiB" if unit == "TiB" else unit
-    seconds = save_seconds(size, world_size)
-    nodes = math.ceil(world_size / GPUS_PER_NODE)
-    signal_lead, shutdown = lead_times(config.stage, size, world_size)
+    nodes = node_write_bytes(config, stages, world_size)
+    seconds = write_seconds(max(nodes), config)
+    signal_lead, shutdown = lead_times(config.stage, seconds)
+    saves = config.planned_saves()
+    most = most_on_disk(saves, config.keep_last_n, config.keep_every)
+    retention = (f"keep_last_n {config.keep_last_n}" + (f", keep_every {config.keep_every}" if config.keep_every else "")
+                 if config.keep_last_n else "every checkpoint kept (no keep_last_n)")
     return [
-        Row("checkpoint (weights, fp32 main copy, Adam m, v)", {column: value},
-            "exact: every stage's parameters, as saved", "checkpoint", unit=unit, counts=False),
-        Row(f"checkpoint write at {WRITE_BYTES_PER_S_PER_NODE / 1e9:g} GB/s per node ({nodes} node"
-            f"{'s' * (nodes > 1)})", {column: round(seconds, 1)},
-            "planned: the stated filesystem bandwidth (memory/checkpoint.py)", "checkpoint", unit="s", counts=False),
+        _bytes_row("checkpoint (weights, fp32 main copy, Adam m, v)", column, size,
+                   "exact: every stage's parameters, as saved"),
+        _bytes_row(f"checkpoint share of the busiest of {len(nodes)} node{'s' * (len(nodes) > 1)}", column, max(nodes),
+                   "planned: its ranks' optimizer shards and megatron's fully parallel split of the weights"),
+        Row(f"checkpoint write at {config.ckpt_write_gb_per_s:g} GB/s per node", {column: round(seconds, 1)},
+            "planned: the busiest node's share at ckpt_write_gb_per_s; nothing gathered first", "checkpoint", unit="s",
+            counts=False),
+        _bytes_row(f"checkpoints on disk at once ({most} of {len(saves)} saves)", column, most * size,
+                   f"planned: {retention} (checkpoint/retention.py)"),
         Row("SLURM lead: sbatch --signal=B:USR1@", {column: signal_lead}, "derived: training/lead_times.py",
             "checkpoint", unit="s", counts=False),
         Row("SLURM lead: SHUTDOWN_TIMEOUT", {column: shutdown}, "derived: training/lead_times.py", "checkpoint",
             unit="s", counts=False),
     ]
+
+
+def _bytes_row(term: str, column: str, size: float, source: str) -> Row:
+    """A row of ``size`` bytes, not GPU memory, in a readable unit below a GiB (a "GiB" row's values are bytes)."""
+    value, unit = readable_bytes(size).split()
+    value = size if unit in ("GiB", "TiB") else float(value)
+    return Row(term, {column: value}, source, "checkpoint", unit="GiB" if unit == "TiB" else unit, counts=False)
 
 
 _EXACT = "exact: the rank's shard, built by megatron on fake tensors"

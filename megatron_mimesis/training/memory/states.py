@@ -6,7 +6,10 @@ layout, tied embeddings and their copy on the last stage, whatever layers the sp
 them (``train.wrap_in_ddp``: bf16 parameters and fp32 main gradients in its contiguous, padded buffers), and the
 distributed optimizer's shard of each bucket (megatron's own range map), which carries the fp32 master weights of
 bf16 parameters and Adam's two moments. Nothing is allocated. The same pass records what the activation plan needs
-from each chunk: its layer kinds in order, whether it embeds, whether it computes the loss, its vocabulary rows.
+from each chunk (its layer kinds in order, whether it embeds, whether it computes the loss, its vocabulary rows) and
+what the checkpoint plan needs: the size of each tensor the rank's weights are saved as (megatron's own sharded state
+dict of the chunks, factories split into their parts), which megatron's fully parallel save spreads over the
+data-parallel group.
 """
 
 import contextlib
@@ -43,6 +46,7 @@ class StageStates:
     optimizer_elements: int  # elements of the optimizer shard
     model_parameters: int  # this stage's contribution to the whole model, counted once across TP, vocab unpadded
     in_flight: tuple[int, ...]  # chunk of each forward whose activations are held at the peak (megatron's schedule)
+    weight_shard_bytes: tuple[int, ...]  # each tensor this rank's weights are saved as, in bytes
 
     @property
     def state_bytes(self) -> int:
@@ -95,7 +99,25 @@ def stage_states(config, world_size: int, pipeline_rank: int, microbatches: int)
             model_parameters=sum(_whole_model_share(chunk, config.preset, config.tensor_model_parallel_size)
                                  for chunk in chunks),
             in_flight=_forwards_in_flight(microbatches, len(chunks), tf_config.microbatch_group_size_per_vp_stage),
+            weight_shard_bytes=_weight_shard_bytes(chunks),
         )
+
+
+def _weight_shard_bytes(chunks) -> tuple[int, ...]:
+    """The bytes of each tensor the chunks' weights are saved as: megatron's sharded state dict, its factories built
+    (a fused projection is saved as its parts), in order."""
+    import math
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sizes = []
+    for chunk in chunks:
+        state = chunk.sharded_state_dict()
+        apply_factories(state)
+        sizes += [math.prod(t.local_shape) * t.dtype.itemsize for t in nested_values(state)
+                  if isinstance(t, ShardedTensor)]
+    return tuple(sizes)
 
 
 def _forwards_in_flight(microbatches: int, num_chunks: int, group_size: int) -> tuple[int, ...]:
