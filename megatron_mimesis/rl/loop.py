@@ -57,6 +57,7 @@ class RLLoop:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.reference = self.frozen_copy(config.kl_reference) if config.kl_coef else None
         self.exit_signal = None  # set by run when the config handles preemption signals
+        self._phase_start, self._longest_phase = time.perf_counter(), 0.0  # between two stop points of a step
 
     def frozen_copy(self, source: str) -> list:
         """Another model of the policy's architecture and layout with its own weights (an HF directory or a dist
@@ -91,6 +92,7 @@ class RLLoop:
         """Between two phases of a step: drop the step, on every rank together, when a preemption signal reached any
         rank; the run then saves the last complete step at once instead of finishing this one (an RL step outlasts
         SLURM's pre-timeout warning). Collective over all ranks."""
+        self._phase_ended()
         if self.exit_signal is not None and self.exit_signal.any_rank_received():
             raise StepAbandoned(phase)
 
@@ -98,7 +100,14 @@ class RLLoop:
         """After each generation batch: whether a preemption signal reached a rank of this model-parallel group,
         whose ranks generate in lockstep, so that its rollouts end there (the next :meth:`stop_point` drops the
         step). Collective over the model-parallel group."""
+        self._phase_ended()
         return self.exit_signal is not None and self.exit_signal.any_rank_received(self.mp_group)
+
+    def _phase_ended(self) -> None:
+        """A stop point was reached: the time since the previous one is what a preemption signal may have to wait."""
+        now = time.perf_counter()
+        self._longest_phase = max(self._longest_phase, now - self._phase_start)
+        self._phase_start = now
 
     def replica_spread(self, seconds: float) -> dict:
         """The slowest data-parallel replica's rollout time and its lead over the fastest: what the replicas wait
@@ -179,6 +188,7 @@ class RLLoop:
         from megatron_mimesis.models.presets import preset_record
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.rollout_correction import correction_warning
+        from megatron_mimesis.training.lead_times import lead_warning
         from megatron_mimesis.training.run_log import RunLog
         from megatron_mimesis.training.signals import ExitSignal
         from megatron_mimesis.training.train import save_and_maybe_stop, save_final
@@ -201,10 +211,13 @@ class RLLoop:
             self.trainer.save_checkpoint(progress, run_config)
 
         stop = None
+        warned = False
         while progress["iteration"] < c.train_iters:
             at_start = self.sampler.state_dict()
+            self._phase_start, self._longest_phase = time.perf_counter(), 0.0
             try:
                 record = self.step(progress["iteration"])
+                self._phase_ended()  # the last phase: the update and the engine's refresh
             except StepAbandoned as abandoned:
                 self.sampler.load_state_dict(at_start)  # the requeued run samples this step's prompts again
                 it = progress["iteration"]
@@ -219,7 +232,15 @@ class RLLoop:
             self.trainer.poll_checkpoint()
             progress["iteration"] += 1
             it = progress["iteration"]
+            # the longest on any rank: what a signal waits for is the slowest rank's phase
+            longest = torch.tensor([self._longest_phase], dtype=torch.float64, device=self.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            record["longest_phase_s"] = longest.item()
             self.log.step({"iteration": it, **record})
+            warning = None if warned else lead_warning(c.stage, record["longest_phase_s"])
+            if warning:  # once a run
+                self.log.message(f"step {it}: {warning}")
+                warned = True
             warning = correction_warning(record, c.rollout_correction, c.rollout_correction_cap,
                                          c.rollout_correction_warn_frac)
             if warning:

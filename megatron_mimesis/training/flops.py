@@ -8,7 +8,10 @@ Forward FLOPs per token = 2 x the parameters that multiply every token (each lay
 the LM head, counted even when tied to the embedding, whose lookup is free) + what grows with the context: causal
 attention's scores and values on the full-attention layers (QK^T and AV each 2*S*H*d per token over a full row, a
 causal row seeing S/2 keys on average: 2*S*H*d per token and layer), and for Qwen3.5 the chunked gated delta rule
-of its DeltaNet layers.
+of its DeltaNet layers. A packed row's documents never attend to each other: a document of L tokens costs its tokens
+2*L*H*d each, so a step's attention is that of rows of S = sum L^2 / sum L tokens (the "attended length" the
+trainer measures from the rows' ``cu_seqlens`` and logs), well below the row length when samples are short (the
+paper's ~449-token conversation samples in 24576-token rows: counting whole rows over-reported MFU by ~9%).
 
 Training = 3 x forward (backward computes gradients of activations and of weights, 1x forward each). The
 MTP layer is not trained by our stages and not counted.
@@ -60,8 +63,9 @@ def parameter_count(preset: Preset) -> int:
                                                   preset.hidden_size * preset.vocab_size)
 
 
-def model_flops_per_token(preset: Preset, seq_length: int) -> float:
-    """Forward FLOPs per token at a packed row length of ``seq_length``."""
+def model_flops_per_token(preset: Preset, seq_length: float) -> float:
+    """Forward FLOPs per token when attention spans ``seq_length`` tokens: a row's length for one document per row,
+    the attended length sum L^2 / sum L for packed documents."""
     return preset.family.forward_flops_per_token(preset, seq_length)
 
 

@@ -38,11 +38,21 @@ def lm_loss_output_processor(*, hidden_states, output_layer, output_weight, labe
     return loss_sum
 
 
-def loss_func(loss_mask: torch.Tensor, loss_sum: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, documents: torch.Tensor, loss_sum: torch.Tensor):
     """megatron schedule contract with ``calculate_per_token_loss``: (loss, token count, logged values).
 
-    The logged pair is reduced over micro-batches (and data-parallel ranks by the trainer) before dividing.
+    The logged pairs are reduced over micro-batches (and data-parallel ranks by the trainer) before dividing:
+    the loss and its tokens, and ``documents`` (the micro-batch's sum of squared document lengths and of lengths,
+    :func:`document_stats`), from which MFU counts the attention each token does within its own document.
     """
     num_tokens = loss_mask.sum().to(torch.int)
     logged = torch.stack([loss_sum.detach().clone().float(), num_tokens.float()])
-    return loss_sum, num_tokens, {"lm loss": logged}
+    return loss_sum, num_tokens, {"lm loss": logged, "documents": documents}
+
+
+def document_stats(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[sum of squared document lengths, sum of lengths] of a packed micro-batch (float64): the attended length per
+    token, sum L^2 / sum L, is what causal attention costs a token of a packed row whose documents never attend to
+    each other (``training/flops.py``)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).double()
+    return torch.stack([lengths.square().sum(), lengths.sum()])

@@ -218,14 +218,15 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def _forward_step(self, data_iterator, model):
         from megatron_mimesis.training.data import model_inputs
-        from megatron_mimesis.training.loss import lm_loss_output_processor, loss_func
+        from megatron_mimesis.training.loss import document_stats, lm_loss_output_processor, loss_func
 
-        inputs = model_inputs(next(data_iterator), self.device)
+        batch = next(data_iterator)
+        inputs = model_inputs(batch, self.device)
         output = model(
             inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"], loss_mask=inputs["loss_mask"],
             packed_seq_params=inputs["packed_seq_params"], output_processor=lm_loss_output_processor,
         )
-        return output, partial(loss_func, inputs["loss_mask"])
+        return output, partial(loss_func, inputs["loss_mask"], document_stats(batch["cu_seqlens"]).to(self.device))
 
     def _run_schedule(self, data_iterator, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -238,32 +239,33 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def _reduce_loss(self, losses) -> tuple[float, int]:
-        """(mean loss over the global batch, loss tokens), identical on every rank."""
+    def _reduce_loss(self, losses) -> tuple[float, int, float]:
+        """(mean loss over the global batch, loss tokens, attended length per token), identical on every rank."""
         from megatron.core import parallel_state
 
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        total = torch.zeros(4, dtype=torch.float64, device=self.device)
         for item in losses:
-            total += item["lm loss"].to(total)
+            total += torch.cat([item["lm loss"].to(total), item["documents"].to(total)])
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage has losses; share them with the first stage (rank 0 logs)
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+        return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), (total[2] / total[3]).item()
 
     def train_step(self, data_iterator) -> dict:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
-        loss, tokens = self._reduce_loss(losses)
+        loss, tokens, attended = self._reduce_loss(losses)
         lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(loss):
-            return {"loss": loss, "tokens": tokens, "skipped": True, "grad_norm": None, "lr": lr}
+            return {"loss": loss, "tokens": tokens, "skipped": True, "grad_norm": None, "lr": lr, "attended": attended}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        return {"loss": loss, "tokens": tokens, "skipped": not ok, "grad_norm": grad_norm, "lr": lr}
+        return {"loss": loss, "tokens": tokens, "skipped": not ok, "grad_norm": grad_norm, "lr": lr,
+                "attended": attended}
 
     def evaluate(self) -> float:
         c = self.config
@@ -273,7 +275,7 @@ class Trainer:
         sums = []
         with torch.no_grad():
             for _ in range(c.eval_iters):
-                sums.append(self._reduce_loss(self._run_schedule(loader, forward_only=True)))
+                sums.append(self._reduce_loss(self._run_schedule(loader, forward_only=True))[:2])
         for m in self.model:
             m.train()
         tokens = sum(t for _, t in sums)
@@ -314,7 +316,6 @@ class Trainer:
         log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.is_logger, progress=c.progress,
                      wandb_project=c.wandb_project, run_config=run_config)
         exit_signal = ExitSignal() if c.exit_signal_handler else None
-        flops_per_token = train_flops_per_token(c.preset, c.seq_length)
         peak = peak_for_mfu(torch.cuda.get_device_name() if torch.cuda.is_available() else None, log.message)
         data_iterator = self.train_iterators
         status = 0
@@ -344,12 +345,14 @@ class Trainer:
                 log.message(f"iteration {it}: non-finite loss or grad, step skipped ({guard})")
             if it % c.log_interval == 0:
                 tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
-                achieved = tokens_per_sec * flops_per_token / self.world_size
+                # causal attention within each packed document: its cost per token follows sum L^2 / sum L
+                achieved = tokens_per_sec * train_flops_per_token(c.preset, result["attended"]) / self.world_size
                 log.step({
                     "iteration": it, "loss": result["loss"], "lr": result["lr"],
                     "grad_norm": result["grad_norm"], "loss_tokens": result["tokens"],
                     "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_gpu": tokens_per_sec / self.world_size,
                     "tflops_per_gpu": achieved / 1e12, "mfu": achieved / peak if peak else None,
+                    "attended_length": result["attended"],
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
                 })

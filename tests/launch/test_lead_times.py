@@ -33,3 +33,13 @@ def test_the_sbatch_lead_times_are_the_derived_ones(stage, planner):
     # writes (data-parallel rank 0 alone used to write it all, from the first node)
     assert len(written) == nodes and 100 * 2**30 < sum(written) < 130 * 2**30
     assert max(written) < 1.01 * sum(written) / nodes
+
+
+def test_a_phase_longer_than_the_lead_assumes_is_named_with_how_much_to_add():
+    from megatron_mimesis.training.lead_times import LONGEST_WAIT_S, lead_warning
+
+    assert lead_warning("rl_agent", LONGEST_WAIT_S["rl_agent"]) is None
+    assert lead_warning("rl_agent", 701.2) == (
+        "a phase took 701 s between two stop points, above the 600 s the SLURM lead times assume for rl_agent "
+        "(training/lead_times.py): lengthen --signal=B:USR1@ and SHUTDOWN_TIMEOUT by 120 s, or a preemption may not "
+        "save")

@@ -39,6 +39,8 @@ def test_csd_changes_the_update_and_logs_its_gate(tiny_dataset, tiny_hf_checkpoi
     assert first_csd["csd_turns"] == first_csd["rows"] and first_csd["coach_failures"] == 0
     assert 0.0 < first_csd["csd_gate_mean"] < 1.0 and first_csd["csd_tokens"] > 0
     assert "csd_gate_mean" not in first_grpo
+    # the longest wait a preemption signal could meet: at least the update, at most the whole step
+    assert 0 < first_csd["train_time_s"] <= first_csd["longest_phase_s"] < 600
     samples = [json.loads(line) for line in (tmp_path / "csd" / "csd_samples.jsonl").read_text().splitlines()]
     assert samples and all(s["note"] == "Answer in two words." for s in samples)
     assert all("# Coach's note\nAnswer in two words." in s["teacher_context"] for s in samples)

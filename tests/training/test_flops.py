@@ -77,3 +77,18 @@ def test_an_unknown_gpu_gives_mfu_na_in_one_line_not_an_exception():
     assert flops.peak_for_mfu("NVIDIA A100-SXM4-80GB", said.append) == 312e12
     assert flops.peak_for_mfu(None, said.append) is None  # the CPU: no MFU, nothing to say
     assert len(said) == 1
+
+
+def test_packed_documents_attend_within_themselves():
+    """Two documents of 3 and 5 tokens in a row of 8: attention costs each token its own document's length on
+    average, sum L^2 / sum L = 34 / 8 tokens, not the row's 8."""
+    import torch
+
+    from megatron_mimesis.training.loss import document_stats
+
+    squares, total = document_stats(torch.tensor([0, 3, 8], dtype=torch.int32)).tolist()
+    assert (squares, total) == (34.0, 8.0)
+    row = flops.model_flops_per_token(TINY, 8)
+    packed = flops.model_flops_per_token(TINY, squares / total)
+    # the tiny preset's one attention layer, 2 * S * 4 heads * 64 per token: 512 per attended token
+    assert row - packed == pytest.approx(512 * (8 - 34 / 8))

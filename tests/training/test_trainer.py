@@ -13,9 +13,11 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR
+from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.training.config import TrainConfig
+from megatron_mimesis.training.flops import train_flops_per_token
 from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
-from tests.training.conftest import REPO, VOCAB, common_args, read_metrics, run_trainer, train_losses
+from tests.training.conftest import REPO, SEQ_LENGTH, VOCAB, common_args, read_metrics, run_trainer, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,12 @@ def test_parallel_layouts_and_recompute_train_like_one_process(tiny_dataset, tin
                                 "--recompute-method", "uniform", "--recompute-num-layers", "1"))
     single = train_losses(tmp_path / "single")
     assert len(single) == 4 and single[3] < single[0]  # it learns
+    # MFU's FLOPs count attention within each packed document: the attended length, below the row's
+    for record in read_metrics(tmp_path / "single"):
+        assert 1 < record["attended_length"] < SEQ_LENGTH
+        per_token = record["tflops_per_gpu"] * 1e12 / record["tokens_per_sec_per_gpu"]
+        assert per_token == pytest.approx(train_flops_per_token(get_preset("tiny").replace(vocab_size=VOCAB),
+                                                                record["attended_length"]))
     for layout in ("tp2", "pp2", "vpp", "recompute"):
         other = train_losses(tmp_path / layout)
         assert max(abs(a - b) for a, b in zip(single, other, strict=True)) <= LAYOUT_TOL, (layout, single, other)
