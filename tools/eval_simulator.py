@@ -86,7 +86,9 @@ def parse_args(argv):
     data.add_argument("--valid-fraction", type=float, metavar="F",
                       help="keep only the conversations data_prep puts in its valid split at F (default for the "
                            "embedded corpus: data_prep's default; for --input: every conversation)")
-    data.add_argument("--max-conversations", type=int, metavar="N", help="read only the first N records of each corpus (as data_prep's flag)")
+    data.add_argument("--max-conversations", type=int, metavar="N",
+                      help="read only the first N records of each corpus, before the train/valid split (as data_prep's "
+                           "flag): the held-out conversations are the valid share of those N")
     data.add_argument("--seq-length", type=int, default=24576, help="likelihood windows, as the training rows")
     gen = parser.add_argument_group("sampling (the same for every simulator)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="per simulated turn")

@@ -118,6 +118,15 @@ def test_thinking_opens_the_sft_target_and_earlier_thoughts_are_not_shown(though
     assert _ids(mid_trained, flip_roles(sent), add_generation_prompt=True, enable_thinking=True) == expected
 
 
+def test_a_message_without_content_renders_as_empty(mid_trained):
+    """An OpenAI client sends ``content: null`` for a message with only tool calls; transformers drops the key, so the
+    template must take an undefined content as empty, not fail on it."""
+    empty = _ids(mid_trained, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+                 add_generation_prompt=True)
+    assert empty == _ids(mid_trained, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+                         add_generation_prompt=True)
+
+
 def test_what_the_template_cannot_render_is_refused_naming_it(mid_trained):
     with pytest.raises(Exception, match="not 'tool' \\(message 1\\)"):
         _ids(mid_trained, [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}])

@@ -143,3 +143,11 @@ def test_a_chat_model_playing_the_user_end_to_end(tmp_path, capsys):
     markdown = (tmp_path / "out" / "table.md").read_text()
     assert "- chat: 1 generation errors left out (InternalServerError: 1)" in markdown
     assert markdown in capsys.readouterr().out
+
+
+def test_max_conversations_says_it_counts_records_before_the_split(capsys):
+    with pytest.raises(SystemExit):
+        eval_simulator.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split()).replace("held- out", "held-out")  # argparse's wrap
+    assert ("--max-conversations N read only the first N records of each corpus, before the train/valid split (as "
+            "data_prep's flag): the held-out conversations are the valid share of those N") in text

@@ -208,3 +208,26 @@ def test_diverging_run_skips_non_finite_steps_then_stops(tiny_dataset, tmp_path)
     saved = {int(path.name.removeprefix("iter_")) for path in ckpt.glob("iter_*")}
     assert len(skipped) == 2 and saved and not saved & skipped, (skipped, saved)
     assert int((ckpt / "latest").read_text()) == max(saved) < max(skipped)
+
+
+def _group_timeouts(rank, world_size):
+    """The timeout of each of megatron's groups, after the trainer made them (the world's group is the tests'
+    launcher's here, made before the trainer)."""
+    from megatron.core import parallel_state
+
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.train import Trainer
+
+    Trainer(TrainConfig(distributed_timeout_minutes=7, tensor_model_parallel_size=2), tokenizer_dir="unused")
+    groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
+              "pp": parallel_state.get_pipeline_model_parallel_group(), "dp": parallel_state.get_data_parallel_group(),
+              "dp-gloo": parallel_state.get_data_parallel_group_gloo()}
+    return {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, group in groups.items()}
+
+
+def test_distributed_timeout_minutes_reaches_megatrons_groups():
+    from tests.multiproc import run_distributed
+
+    for timeouts in run_distributed(_group_timeouts, 2):
+        assert timeouts == dict.fromkeys(("tp", "pp", "dp", "dp-gloo"), 7 * 60.0)
