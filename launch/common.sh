@@ -117,7 +117,9 @@ quote_cmd() {
 # ChildFailedError reports, after the job waited in the queue for its nodes.
 check_config() {
   WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
-    "${train_args[@]}" --dry-run >/dev/null || exit $?
+    "${train_args[@]}" --dry-run --check-save-dir >/dev/null || exit $?
+  # its plan sized the checkpoints and the save directory has room: the ranks need not plan it again
+  export MIMESIS_SAVE_DIR_CHECKED=1
 }
 
 print_dry_run() {

@@ -63,7 +63,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
     from megatron_mimesis.training.loss import lm_loss_output_processor
     from megatron_mimesis.training.memory.saved import SavedTensors
-    from megatron_mimesis.training.train import model_config, wrap_in_ddp
+    from megatron_mimesis.training.model import model_config, wrap_in_ddp
 
     plan_child = start_plan(rec.path.parent)
     init_one_rank_megatron()

@@ -274,7 +274,7 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
     from megatron_mimesis.compat import prepare_cpu_process
     from megatron_mimesis.lifetime import tie_rank_to_launcher
     from megatron_mimesis.training.config import parse_config
-    from megatron_mimesis.training.train import run_to_completion, start_run
+    from megatron_mimesis.training.train import dry_run, run_to_completion, start_run
 
     prepare_cpu_process()  # before megatron-core is imported: its import warns and applies torch.compile
     tie_rank_to_launcher()
@@ -288,12 +288,11 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
         return 2
     if args.dry_run:
         from megatron_mimesis.rl.memory import plan_rl
-        from megatron_mimesis.training.memory.plan import print_plan
 
         resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "rollouts_per_step": config.rollouts_per_step}
-        return print_plan(*plan_rl(config, world_size), resolved)
+        return dry_run(config, world_size, plan_rl(config, world_size), resolved, args.check_save_dir)
     if not start_run(config, world_size, resuming):
         return 2
     return run_to_completion(lambda: loop_cls(config).run(), config.log_dir)

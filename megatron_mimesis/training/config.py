@@ -11,8 +11,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import shutil
 import types
 import typing
 from dataclasses import dataclass, field
@@ -386,35 +384,6 @@ class TrainConfig:
         periodic = list(range(self.save_interval, self.train_iters + 1, self.save_interval)) if self.save_interval else []
         return periodic if periodic and periodic[-1] == self.train_iters else [*periodic, self.train_iters]
 
-    def check_save_dir(self, world_size: int) -> None:
-        """At the start of a run, not at its first save: ``save`` must be a writable directory (or creatable in
-        one) with room for the checkpoints the run keeps at once (every one it saves without ``keep_last_n``; with it,
-        the newest N, those ``keep_every`` keeps, and the next one before an older one is deleted), less what its
-        checkpoints already there take; so the hours before a save are not lost to a typo, a full disk or a quota.
-        Not part of ``validate``: a ``--dry-run`` of the paper's config on a laptop has no room for its checkpoints.
-        Called before the process group starts (the size comes from the memory plan's one-rank world)."""
-        if not self.save:
-            return
-        from megatron_mimesis.checkpoint.retention import most_on_disk
-        from megatron_mimesis.training.memory.checkpoint import readable_bytes
-        from megatron_mimesis.training.memory.plan import planned_checkpoint_bytes
-
-        path = Path(self.save).absolute()
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if not existing.is_dir():
-            raise ConfigError(f"save: {existing} is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"save: {existing} is not writable")
-        size = planned_checkpoint_bytes(self, world_size)
-        count = most_on_disk(self.planned_saves(), self.keep_last_n, self.keep_every)
-        held = sum(f.stat().st_size for f in path.glob("iter_*/**/*") if f.is_file()) if path.is_dir() else 0
-        free, needed = shutil.disk_usage(existing).free, max(size, count * size - held)
-        if free < needed:
-            fewer = "" if self.keep_last_n or count == 1 else ": keep fewer with keep_last_n"
-            raise ConfigError(f"save: no space left for the checkpoints of this run in {existing}: {readable_bytes(free)} "
-                              f"free, {readable_bytes(needed)} needed ({count} checkpoint{'s' * (count > 1)} of about "
-                              f"{readable_bytes(size)} on disk at once){fewer}")
-
     # ------------------------------------------------------------------
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
@@ -451,6 +420,10 @@ def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mim
     parser.add_argument("--dry-run", action="store_true",
                         help="print the memory plan per GPU and the resolved config and exit; a layout that does not "
                              "fit the GPU exits 2 with what to change (the launchers run this before any rank)")
+    parser.add_argument("--check-save-dir", action="store_true",
+                        help="with --dry-run: also refuse (exit 2) a save directory without room for the checkpoints "
+                             "the run keeps, from the plan's checkpoint size (the launchers' pre-check; the ranks "
+                             "then skip it)")
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")

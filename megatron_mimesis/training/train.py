@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_mimesis.compat import prepare_cpu_process
 from megatron_mimesis.lifetime import tie_rank_to_launcher
 from megatron_mimesis.training.config import ConfigError, TrainConfig, parse_config
+from megatron_mimesis.training.model import model_chunks, model_config, wrap_in_ddp
 
 TOKENIZER_SHA256 = "tokenizer_sha256"  # run_config.json: the data manifest's hash of the tokenizer trained with
 
@@ -75,39 +76,6 @@ def check_tokenizer_matches_checkpoint(load: str, data_path: str, tokenizer: dic
             f"{data_path}: prepared with another tokenizer (sha256 {str(tokenizer.get('sha256'))[:12]}) than the "
             f"checkpoint {path} ({saved[:12]}); prepare the data with --tokenizer {path}/tokenizer"
         )
-
-
-def model_config(config: TrainConfig, **overrides):
-    """The megatron ``TransformerConfig`` a run of ``config`` trains with (the memory plan builds the same)."""
-    from megatron_mimesis.models.config import transformer_config
-
-    recompute = {}
-    if config.recompute_granularity:
-        recompute = dict(recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
-                         recompute_num_layers=config.recompute_num_layers)
-    return transformer_config(config.preset, config.parallel,
-                              params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
-                              calculate_per_token_loss=True, **{**recompute, **overrides})
-
-
-def model_chunks(provider, config: TrainConfig) -> list:
-    """This rank's model chunks, one per virtual pipeline stage (one when there is no interleaving), where the
-    provider puts them."""
-    vpp = config.virtual_pipeline_model_parallel_size
-    return [provider(vp_stage=i) for i in range(vpp)] if vpp else [provider()]
-
-
-def wrap_in_ddp(config: TrainConfig, tf_config, chunks) -> list:
-    """megatron's DDP around each model chunk, as the trainer runs it: fp32 main grads in contiguous buffers
-    (bucketed for the first chunk only), sharded by the distributed optimizer when it is on."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=config.overlap_grad_reduce,
-        overlap_param_gather=config.overlap_param_gather, use_distributed_optimizer=config.use_distributed_optimizer,
-    )
-    return [DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
-            for i, chunk in enumerate(chunks)]
 
 
 class Trainer:
@@ -461,13 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from megatron_mimesis.training.memory.plan import plan_training, print_plan
+        from megatron_mimesis.training.memory.plan import plan_training
 
         resolved = {"config": config.to_dict(), "world_size": world_size, "resuming": resuming,
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
-        return print_plan(*plan_training(config, world_size), resolved)
+        return dry_run(config, world_size, plan_training(config, world_size), resolved, args.check_save_dir)
     if not start_run(config, world_size, resuming):
         return 2
     tokenizer = manifest["tokenizer"]
@@ -480,12 +448,33 @@ def announce(line: str | None) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def dry_run(config, world_size: int, planned: tuple, resolved: dict, check_save_dir: bool) -> int:
+    """What ``--dry-run`` prints and exits with: the memory plan (``planned``: the plan and its refusal) with the
+    resolved config; with ``check_save_dir`` (the launchers' pre-check) also whether ``save`` has room for the run's
+    checkpoints, from the plan's checkpoint size."""
+    from megatron_mimesis.training.memory.plan import print_plan
+    from megatron_mimesis.training.save_dir import check_save_dir as check
+
+    status = print_plan(*planned, resolved)
+    if status == 0 and check_save_dir:
+        try:
+            check(config, world_size, planned[0].details["checkpoint_bytes"])
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return status
+
+
 def start_run(config, world_size: int, resuming: str | None) -> bool:
-    """A rank's last checks before any work, which a save directory without room would lose: the save directory,
-    then the line saying where the run starts and its log directory. False, after the one-line error, when the save
-    directory cannot take the run's checkpoints."""
+    """A rank's last checks before any work, which a save directory without room would lose: the save directory
+    (``training/save_dir.py``: unless the launcher checked it, on rank 0), then the line saying where the run starts
+    and its log directory. False, after the one-line error, when the save directory cannot take the run's
+    checkpoints."""
+    from megatron_mimesis.training.save_dir import check_save_dir, needs_check_here
+
     try:
-        config.check_save_dir(world_size)
+        if needs_check_here():
+            check_save_dir(config, world_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return False

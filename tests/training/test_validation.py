@@ -12,6 +12,7 @@ from megatron_mimesis.models.qwen3_5.presets import Qwen35Preset
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 from megatron_mimesis.training.config import RESUME_FIXED, ConfigError, TrainConfig, _flag_type, build_arg_parser
+from megatron_mimesis.training.save_dir import check_save_dir, needs_check_here
 from megatron_mimesis.training.train import TOKENIZER_SHA256, check_data, main
 from tests.checkpoints import small_checkpoint
 from tests.training.memory.planning import save_dir_refusal, trainer_dry_run
@@ -201,7 +202,7 @@ def test_data_of_another_tokenizer_than_the_checkpoint_is_refused_on_load(tmp_pa
 def test_save_directory_is_checked_writable_and_with_room_at_start(tmp_path, planner):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"save: .*/file is not a directory"):
-        TrainConfig(save=str(tmp_path / "file" / "ckpt")).check_save_dir(1)
+        check_save_dir(TrainConfig(save=str(tmp_path / "file" / "ckpt")), 1)
     config = TrainConfig(model_overrides={"vocab_size": 512}, save=str(tmp_path / "new" / "ckpt"))
     assert planner.submit(save_dir_refusal, config, 1, 2**30).result() is None  # created at the first save
     # the tiny model at vocab 512 (0.43M parameters, fp32: 16 bytes each), in readable units; one save, at the end
@@ -233,3 +234,14 @@ def test_the_trainer_checks_the_save_directory_before_any_work(tmp_path, capsys,
     assert status == 0, err
     assert main([*args, "--save", str(tmp_path / "file" / "ckpt")]) == 2  # before the process group and the model
     assert capsys.readouterr().err == f"error: save: {tmp_path / 'file'} is not a directory\n"
+    # the launchers' pre-check: the dry run that plans the checkpoint also checks the directory, once for the job,
+    # and the ranks it starts (MIMESIS_SAVE_DIR_CHECKED) do not plan it again; without a launcher rank 0 checks
+    status, _, err = planner.submit(trainer_dry_run, [*args, "--save", str(tmp_path / "file" / "ckpt"),
+                                                      "--check-save-dir"], 1).result()
+    assert status == 2 and err.splitlines()[-1] == f"error: save: {tmp_path / 'file'} is not a directory"
+    monkeypatch.setenv("RANK", "1")
+    assert not needs_check_here()
+    monkeypatch.setenv("RANK", "0")
+    assert needs_check_here()
+    monkeypatch.setenv("MIMESIS_SAVE_DIR_CHECKED", "1")
+    assert not needs_check_here()

@@ -231,7 +231,7 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
     rows = table.rows() + _checkpoint_rows(config, world_size, stages, columns[0])
     gpu = config.gpu if config.gpu_memory_gib is None else f"{config.gpu} at {config.gpu_memory_gib:g} GiB"
     tokens = workload.tokens // config.context_parallel_size
-    details = {"tokens_per_microbatch": tokens,
+    details = {"tokens_per_microbatch": tokens, "checkpoint_bytes": checkpoint_bytes(config, stages),
                "layer_gib": {kind: fit.at(tokens) / GIB for kind, fit in acts.layers.items()}}
     return MemoryPlan(title=_title(config, world_size, workload), gpu=gpu, capacity_bytes=gpu_capacity_bytes(config),
                       columns=columns, rows=rows, notes=_notes(config, workload, stages, columns, temporaries),

@@ -3,7 +3,7 @@
 For each pipeline stage, :func:`stage_states` joins that stage's first rank in a fake world (``world.py``) and runs
 the trainer's own construction under ``FakeTensorMode``: the model chunks of the provider (every preset and
 layout, tied embeddings and their copy on the last stage, whatever layers the spec builds), megatron's DDP around
-them (``train.wrap_in_ddp``: bf16 parameters and fp32 main gradients in its contiguous, padded buffers), and the
+them (``model.wrap_in_ddp``: bf16 parameters and fp32 main gradients in its contiguous, padded buffers), and the
 distributed optimizer's shard of each bucket (megatron's own range map), which carries the fp32 master weights of
 bf16 parameters and Adam's two moments. Nothing is allocated. The same pass records what the activation plan needs
 from each chunk (its layer kinds in order, whether it embeds, whether it computes the loss, its vocabulary rows) and
@@ -59,7 +59,7 @@ def _fake_shard(config, world_size: int, pipeline_rank: int):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_mimesis.models.provider import ModelProvider
-    from megatron_mimesis.training.train import model_chunks, model_config
+    from megatron_mimesis.training.model import model_chunks, model_config
 
     with rank_of_world(config, world_size, pipeline_rank), FakeTensorMode(allow_non_fake_inputs=True):
         tf_config = model_config(config, perform_initialization=False)
@@ -75,7 +75,7 @@ def model_parameters(config, world_size: int, pipeline_rank: int) -> int:
 def stage_states(config, world_size: int, pipeline_rank: int, microbatches: int) -> StageStates:
     """Build pipeline stage ``pipeline_rank`` of ``config`` (a TrainConfig) on fake tensors and count it; the
     schedule runs ``microbatches`` micro-batches per step."""
-    from megatron_mimesis.training.train import wrap_in_ddp
+    from megatron_mimesis.training.model import wrap_in_ddp
 
     with _fake_shard(config, world_size, pipeline_rank) as (tf_config, chunks):
         ddp = wrap_in_ddp(config, tf_config, chunks)

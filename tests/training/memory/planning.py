@@ -145,16 +145,17 @@ def checkpointed_block(method: str, layers: int, tokens: int) -> tuple[int, floa
 
 
 def save_dir_refusal(config, world_size: int, free_bytes: int) -> str | None:
-    """``config.check_save_dir``'s refusal on a disk with ``free_bytes`` free (None when it has room)."""
+    """``check_save_dir``'s refusal on a disk with ``free_bytes`` free (None when it has room)."""
     import shutil
     from types import SimpleNamespace
     from unittest import mock
 
     from megatron_mimesis.training.config import ConfigError
+    from megatron_mimesis.training.save_dir import check_save_dir
 
     with mock.patch.object(shutil, "disk_usage", lambda path: SimpleNamespace(free=free_bytes)):
         try:
-            config.check_save_dir(world_size)
+            check_save_dir(config, world_size)
         except ConfigError as exc:
             return str(exc)
     return None
