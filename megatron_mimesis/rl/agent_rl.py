@@ -195,7 +195,7 @@ class AgentRL(RLLoop):
         self.engine.wake()
         try:
             episodes = self.runner.run(self.suite, mine, c.rollouts_per_prompt,
-                                       step_seed=step * self.dp_size + self.dp_rank,
+                                       step_seed=self.step_seed(step),
                                        stop_requested=self.rollouts_must_stop)
         finally:
             self.engine.sleep()

@@ -17,6 +17,10 @@ import torch.distributed as dist
 from megatron_mimesis.training.config import ConfigError
 
 
+# Steps a run's sampling seeds stay apart for, per --seed: run seeds s and s + 1 never sample a step alike below it.
+STEPS_PER_SEED = 1_000_000
+
+
 class StepAbandoned(Exception):
     """A preemption signal reached a rank in the middle of a step: every rank drops the step at the same point."""
 
@@ -82,6 +86,11 @@ class RLLoop:
         c = self.config
         return PolicyLossConfig(clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, dual_clip_c=c.dual_clip_c,
                                 kl_coef=c.kl_coef, **extra)
+
+    def step_seed(self, step: int) -> int:
+        """The sampling seed of this data-parallel rank's rollouts in ``step``: distinct per rank and step, and per
+        run ``seed`` (``--seed``), non-negative; the episode runners derive every request's seed from it."""
+        return (self.config.seed * STEPS_PER_SEED + step) * self.dp_size + self.dp_rank
 
     def my_share(self, items: list) -> tuple[list, int]:
         """This data-parallel rank's slice of the step's prompts/tasks and its offset (for globally unique ids)."""

@@ -90,7 +90,7 @@ class SimulatorRL(RLLoop):
         mine, offset = self.my_share(self.sampler.sample(c.prompts_per_step))
         self.engine.wake()
         try:
-            episodes = self.runner.run(mine, c.rollouts_per_prompt, step_seed=step * self.dp_size + self.dp_rank,
+            episodes = self.runner.run(mine, c.rollouts_per_prompt, step_seed=self.step_seed(step),
                                        stop_requested=self.rollouts_must_stop)
         finally:
             self.engine.sleep()

@@ -64,6 +64,23 @@ def test_a_qwen3_agent_trains_in_its_own_chat_format(tiny_dataset, qwen3_tokeniz
     assert all("# Tools\n\nYou may call one or more functions" in s["teacher_context"] for s in samples)
 
 
+@pytest.mark.slow
+def test_the_seed_reaches_the_rollouts_sampling(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """One toy task, so --seed cannot act through the task order: seeds 1 and 2 sample other agent turns from the
+    first step on, and seed 1 again samples the same, to the bit."""
+    def first_step(name, seed):
+        run_trainer(1, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / name, "--train-iters", "1",
+                                    "--seed", str(seed), "--env-options", json.dumps({"num_tasks": 2}),
+                                    "--tasks-per-step", "1", "--max-new-tokens", "12"), module=AGENT_RL)
+        (record,) = read_metrics(tmp_path / name)
+        samples = [json.loads(line)["agent_message"] for line in (tmp_path / name / "csd_samples.jsonl").open()]
+        return {k: record[k] for k in ("pg_loss", "grad_norm", "response_tokens_per_turn")}, samples
+
+    one, two, again = first_step("one", 1), first_step("two", 2), first_step("again", 1)
+    assert again == one
+    assert two[1] != one[1] and two[0] != one[0]
+
+
 def test_agent_config_is_validated_before_anything_starts(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     config = AgentRLConfig(tokenizer=str(tmp_path), env="tau2")
