@@ -110,3 +110,7 @@ def test_the_throughput_stages_memory_plan_runs_here(tmp_path):
     assert set(layers) == {"deltanet", "attention"} and layers["deltanet"] > layers["attention"] > 0
     # four layers' activations, the bf16 parameters and fp32 gradients of ~2.9B parameters, the loss's temporaries
     assert 3 * layers["deltanet"] + layers["attention"] + 2.9e9 * 6 / 2**30 < planned["allocated_gib"] < 80
+    # and the agent-RL update's: the update column of the same model with vLLM colocated, at 32768 tokens
+    rl = throughput.planned_step(throughput.start_plan(tmp_path, throughput.RL_UPDATE_RUN))
+    assert set(rl["layer_gib"]) == {"deltanet", "attention"}
+    assert rl["layer_gib"]["deltanet"] > layers["deltanet"] and 2.9e9 * 6 / 2**30 < rl["allocated_gib"] < 80

@@ -12,12 +12,14 @@ it goes, so a stage stopped at its cap still reports what it measured:
   to ours and to the three bare cuBLAS lm-head GEMMs measured in the same run, with errors against fp32.
 - parity: the compiled Triton kernels against the plain-PyTorch references (padded and unpadded vocab), fla's
   Gated DeltaNet against the CPU fallback on packed THD rows of several documents (outputs and gradients), and the
-  Transformer Engine layer spec against the local spec on the same weights (logits, loss, gradients, bf16).
+  Transformer Engine layer spec against the local spec on the same weights (logits, loss, gradients, bf16), for each
+  family's tiny preset.
 - throughput: 4 Qwen3.5-9B-width layers (3 Gated DeltaNet + 1 attention) plus the 248320-row lm head and the fused
   loss at sequence length 24576, micro-batch 1, bf16, Transformer Engine + fla on this one GPU, built and wrapped in
   DDP as the trainer does: tokens/s, TFLOP/s and MFU by ``training/flops.py``, peak memory; the memory plan of the
-  same step against it (each layer's saved tensors, and ``max_memory_allocated`` within 10% of the plan); and the
-  extrapolation to 32 layers at TP=4 with its assumptions spelled out.
+  same step against it (each layer's saved tensors, and ``max_memory_allocated`` within 10% of the plan); the
+  extrapolation to 32 layers at TP=4 with its assumptions spelled out; and one 32768-token micro-batch of the
+  agent-RL update (GRPO + CSD, rollout-corrected) on the same layers against the agent-RL plan's update column.
 - vllm (where vLLM is installed): a megatron trainer and the colocated vLLM engine in one process, as the RL stages
   run them: the engine's start and weight-sync times, its log-probs after the sync against the trainer's (and, as
   the control, before it), and that sleep frees its memory (``torch.cuda.mem_get_info`` before and after) while

@@ -6,7 +6,9 @@ megatron's DDP with fp32 main gradients, on one packed row through the fused los
 (``mimesis-plan``, run in a child process while this one builds and times, since planning measures on the CPU) is
 compared twice: each layer's saved-tensor bytes counted here on the real TE / fla modules against the plan's per-layer
 figure, and the step's peak ``torch.cuda.max_memory_allocated`` against the plan's allocated terms (parameters,
-gradients, activations, backward temporaries), within ``PLAN_TOLERANCE``.
+gradients, activations, backward temporaries), within ``PLAN_TOLERANCE``. The same model then takes one micro-batch of
+the agent-RL update as ``rl/update/policy_step.py`` computes it (a 32768-token row: the GRPO + CSD loss, each token
+weighed by the rollout correction), against the update column of the agent-RL plan of the same model.
 """
 
 import json
@@ -28,29 +30,36 @@ PAPER_LAYERS, PAPER_TP = 32, 4
 THROUGHPUT_RUN = {"stage": "midtrain", "model": "9b",
                   "model_overrides": {"num_layers": THROUGHPUT_LAYERS, "mtp_num_layers": 0},
                   "seq_length": THROUGHPUT_SEQ, "micro_batch_size": 1, "global_batch_size": 1, "bf16": True}
+# one micro-batch of the agent-RL update at the shipped configs' max_tokens_per_microbatch, with vLLM colocated
+# (its share is not the trainer's allocation: only the update column's allocated kinds are compared)
+RL_UPDATE_TOKENS = 32768
+RL_UPDATE_RUN = {"stage": "rl_agent", "model": "9b",
+                 "model_overrides": {"num_layers": THROUGHPUT_LAYERS, "mtp_num_layers": 0}, "bf16": True,
+                 "engine": "vllm", "max_tokens_per_microbatch": RL_UPDATE_TOKENS, "csd_alpha": 0.01}
 PLAN_TOLERANCE = 0.10
 # the plan's rows this step allocates (no optimizer step, and the context is outside the allocator)
 ALLOCATED_KINDS = ("parameters", "gradients", "activations", "temporaries")
 
 
-def start_plan(out_dir: Path) -> subprocess.Popen:
-    """``mimesis-plan --json`` of :data:`THROUGHPUT_RUN` on one GPU, in a child process."""
-    config = Path(tempfile.mkdtemp(prefix="plan-", dir=out_dir)) / "throughput.yaml"
-    config.write_text(yaml.safe_dump(THROUGHPUT_RUN))
+def start_plan(out_dir: Path, run: dict = THROUGHPUT_RUN) -> subprocess.Popen:
+    """``mimesis-plan --json`` of ``run`` on one GPU, in a child process."""
+    config = Path(tempfile.mkdtemp(prefix="plan-", dir=out_dir)) / f"{run['stage']}.yaml"
+    config.write_text(yaml.safe_dump(run))
     return subprocess.Popen([sys.executable, "-m", "megatron_mimesis.tools.plan", "--config", str(config), "--nodes",
                              "1", "--gpus-per-node", "1", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
 def planned_step(child: subprocess.Popen) -> dict:
-    """The planned bytes the step is compared with: ``allocated`` (the allocated kinds of the single column) and
-    ``layers`` (per layer kind, at the step's tokens). A plan that does not fit this GPU still prints its rows."""
+    """The planned bytes the step is compared with: ``allocated`` (the allocated kinds of the first column: the only
+    one, or an RL plan's update) and ``layers`` (per layer kind, at the step's tokens). A plan that does not fit this
+    GPU still prints its rows."""
     stdout, stderr = child.communicate(timeout=600)
     if not stdout.strip():
         raise RuntimeError(f"mimesis-plan printed no plan: {stderr.strip()[-300:]}")
     plan = json.loads(stdout)["memory_plan"]
-    (column,) = plan["columns"]
-    allocated = sum(row["values"][column] for row in plan["rows"] if row["kind"] in ALLOCATED_KINDS)
+    column = plan["columns"][0]
+    allocated = sum(row["values"].get(column, 0.0) for row in plan["rows"] if row["kind"] in ALLOCATED_KINDS)
     return {"allocated_gib": allocated, "layer_gib": plan["details"]["layer_gib"]}
 
 
@@ -66,6 +75,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     from megatron_mimesis.training.model import model_config, wrap_in_ddp
 
     plan_child = start_plan(rec.path.parent)
+    rl_plan_child = start_plan(rec.path.parent, RL_UPDATE_RUN)
     init_one_rank_megatron()
     run = TrainConfig(**{k: v for k, v in THROUGHPUT_RUN.items() if k != "stage"})
     preset, tf_config = run.preset, model_config(run)
@@ -107,6 +117,7 @@ def stage_throughput(rec: StageRecorder) -> None:
     layer_bytes = _saved_bytes_per_layer(model.module, forward, SavedTensors)
     _check_plan(rec, planned_step(plan_child), peak_bytes, layer_bytes, preset)
     _extrapolate(rec, model.module, tokens, mask, seconds, peak_flops, preset)
+    _check_rl_update(rec, model, preset, planned_step(rl_plan_child))
 
 
 def _saved_bytes_per_layer(module, forward, meter_cls) -> list[int]:
@@ -142,6 +153,45 @@ def _check_plan(rec: StageRecorder, planned: dict, peak_bytes: int, layer_bytes:
             status="ok" if within else "failed")
     if not within:
         raise RuntimeError(f"peak allocated {peak_bytes / 2**30:.2f} GiB is {ratio:.2f}x the plan's "
+                           f"{planned['allocated_gib']:.2f} GiB (tolerance {PLAN_TOLERANCE:.0%})")
+
+
+def _check_rl_update(rec: StageRecorder, model, preset, planned: dict) -> None:
+    """One micro-batch of the agent-RL update, built and lost as ``rl/update/policy_step.py`` does (one row: half
+    context, half response; old, teacher and rollout-correction fields), and its peak against the plan's update."""
+    from functools import partial
+
+    import torch
+
+    from megatron_mimesis.data.collate import packed_seq_params
+    from megatron_mimesis.rl.update.policy_step import PolicyLossConfig, _policy_output_processor
+    from megatron_mimesis.rl.update.rows import StepRows
+
+    half = RL_UPDATE_TOKENS // 2
+    ids = torch.randint(0, preset.vocab_size, (RL_UPDATE_TOKENS,)).tolist()
+    rows = StepRows.of([(ids[:half], ids[half:])], {name: [[value] * half] for name, value in (
+        ("old_logprobs", -2.0), ("teacher_logprobs", -1.5), ("rollout_weights", 1.0))})
+    batch = rows.microbatch([0], torch.tensor([0.5]), 1, torch.device("cuda"))
+    loss_config = PolicyLossConfig(csd_alpha=RL_UPDATE_RUN["csd_alpha"])
+
+    def step():
+        model.zero_grad_buffer()
+        loss_sum, _ = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed_seq_params(batch),
+                            output_processor=partial(_policy_output_processor, loss_config, True, batch))
+        loss_sum.backward()
+
+    step()  # warm-up: the policy loss kernel's compilation
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ratio = peak / planned["allocated_gib"]
+    within = abs(ratio - 1) <= PLAN_TOLERANCE
+    rec.row(check=f"agent-RL update, one {RL_UPDATE_TOKENS}-token micro-batch, peak vs plan (update column)",
+            measured_gib=peak, planned_gib=planned["allocated_gib"], ratio=ratio, status="ok" if within else "failed")
+    if not within:
+        raise RuntimeError(f"the agent-RL update's peak allocated {peak:.2f} GiB is {ratio:.2f}x the plan's "
                            f"{planned['allocated_gib']:.2f} GiB (tolerance {PLAN_TOLERANCE:.0%})")
 
 

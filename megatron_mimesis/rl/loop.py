@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from megatron_mimesis.training.config import ConfigError
 
-
 # Steps a run's sampling seeds stay apart for, per --seed: run seeds s and s + 1 never sample a step alike below it.
 STEPS_PER_SEED = 1_000_000
 
