@@ -115,10 +115,13 @@ quote_cmd() {
 # The trainer's own validation, once, before torchrun (or srun) starts any rank: a bad option is one line and the
 # exit status 2 from the batch shell, not the same line from every rank of every node followed by torchrun's
 # ChildFailedError reports, after the job waited in the queue for its nodes.
+# Its plan sizes the checkpoints, so it also checks that the save directory has room for those the run keeps, and the
+# ranks need not plan them again (MIMESIS_SAVE_DIR_CHECKED=1, which a caller that checked it itself may set too).
 check_config() {
+  local save_dir=(--check-save-dir)
+  if [[ "${MIMESIS_SAVE_DIR_CHECKED:-}" == 1 ]]; then save_dir=(); fi
   WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
-    "${train_args[@]}" --dry-run --check-save-dir >/dev/null || exit $?
-  # its plan sized the checkpoints and the save directory has room: the ranks need not plan it again
+    "${train_args[@]}" --dry-run "${save_dir[@]}" >/dev/null || exit $?
   export MIMESIS_SAVE_DIR_CHECKED=1
 }
 

@@ -96,13 +96,16 @@ def _box_tensors(pieces: list[tuple[int, ShardedTensor]], flat: torch.Tensor, st
         position = lo - start
         for offset, shape in flat_range_boxes(piece.local_shape, lo - piece_start, hi - piece_start):
             size = math.prod(shape)
+            # the axes megatron prepends (the layer of a stacked homogeneous block) become leading axes of 1 in the
+            # box itself: torch DCP's view of an irregular ShardedTensor has no prepended axes of its own
             axes = piece.prepend_axis_num
+            box = (1,) * axes + shape
             tensors.append(ShardedTensor(
-                key=piece.key, data=flat[position:position + size].view(shape), dtype=flat.dtype,
-                local_shape=shape, global_shape=piece.global_shape,
+                key=piece.key, data=flat[position:position + size].view(box), dtype=flat.dtype,
+                local_shape=box, global_shape=piece.global_shape,
                 global_offset=(*piece.global_offset[:axes],
                                *(g + o for g, o in zip(piece.global_offset[axes:], offset, strict=True))),
-                axis_fragmentations=None, replica_id=piece.replica_id, prepend_axis_num=axes,
+                axis_fragmentations=None, replica_id=piece.replica_id, prepend_axis_num=0,
                 allow_shape_mismatch=piece.allow_shape_mismatch))
             position += size
     return tensors

@@ -44,6 +44,19 @@ def test_slurm_dry_run_has_paper_layout(fake):
     assert not (tmp_path / "log" / "srun").exists()
 
 
+def test_slurm_launch_refuses_a_save_directory_without_room_before_srun(fake):
+    """The paper's mid-training keeps 7 checkpoints of 116.8 GiB at once: the launcher's pre-check, whose memory plan
+    sizes them, refuses a disk without room for them in one line, and the job never reaches srun."""
+    tmp_path, env = fake
+    job = {k: v for k, v in slurm_env(env, tmp_path).items() if k != "MIMESIS_SAVE_DIR_CHECKED"}
+    result = run("midtrain.sh", ["--save", str(tmp_path / "ckpt")], {**job, "SLURM_NNODES": "4"})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: save: no space left for the checkpoints of this run in {tmp_path}: ")
+    assert line.endswith(" needed (7 checkpoints of about 116.8 GiB on disk at once)"), line
+    assert not (tmp_path / "log" / "srun").exists()
+
+
 def test_slurm_launch_refuses_a_layout_that_does_not_fit_before_srun(fake):
     """9B at TP=1 on one node: the config check's memory plan refuses it in one line that names the biggest term and
     the cheapest change that fits, and the job never reaches srun."""

@@ -7,6 +7,8 @@ import signal
 import sys
 import time
 
+from megatron_mimesis.rl.loop import STEPS_PER_SEED
+
 FORWARDED_WITHIN_S = 3.0  # torchrun passes the signal on at once; the rank checks after its next batch
 
 
@@ -16,7 +18,7 @@ def _signal_once_in_step_2(run):
         sent = []
 
         def stop_requested_after_signal():
-            if step_seed == 1 and not sent:
+            if step_seed % STEPS_PER_SEED == 1 and not sent:  # one rank: the step seed's step is iteration 2's
                 sent.append(os.kill(os.getppid(), signal.SIGTERM))
                 time.sleep(FORWARDED_WITHIN_S)
             return stop_requested()

@@ -61,7 +61,7 @@ def _one_replica_signalled(rank, world_size):
     """Two data-parallel replicas of one rank each; the signal reaches replica 1 only."""
     groups = [dist.new_group([r]) for r in range(world_size)]
     loop = SimpleNamespace(exit_signal=ExitSignal(), mp_group=groups[rank], dp_size=world_size, dp_group=None,
-                           device="cpu")
+                           device="cpu", _phase_ended=lambda: None)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
     own_rollouts_stop = RLLoop.rollouts_must_stop(loop)
