@@ -18,7 +18,7 @@ from data_prep.pipeline import (
     build,
 )
 from data_prep.records import FORMATS
-from data_prep.render import USER_SPEAKERS
+from data_prep.render import END_MARKER, USER_SPEAKERS
 
 DESCRIPTIONS = {
     "midtrain": "User-side mid-training data: loss on the user turns, thinking off.",
@@ -65,6 +65,15 @@ def parse_args(task: str, argv: list[str] | None) -> PrepConfig:
     parser.add_argument("--split", default="train", help="split to read from a `datasets` input")
     parser.add_argument("--valid-fraction", type=float, default=0.01, help="share of conversations for valid")
     parser.add_argument("--weights", type=float, nargs="+", help="mixture weight per input (default: by tokens)")
+    parser.add_argument(
+        "--complete",
+        type=_yes_no,
+        nargs="+",
+        metavar="yes|no",
+        help="per input: its records are whole conversations, so each one's last user turn is trained to end it "
+        f"with {END_MARKER} (default: the format's; yes for messages and the embedded corpus, no for sharegpt, "
+        "whose dumps split long conversations)",
+    )
     parser.add_argument("--max-conversations", type=int, help="read only the first N records of each corpus")
     parser.add_argument("--config", metavar="FILE.yaml", help="PrepConfig fields; command-line flags override them")
     args = parser.parse_args(argv)
@@ -75,6 +84,13 @@ def parse_args(task: str, argv: list[str] | None) -> PrepConfig:
     options.pop("train_tokenizer")
     options.pop("config")
     return PrepConfig(task=task, **options)
+
+
+def _yes_no(text: str) -> bool:
+    answers = {"yes": True, "true": True, "no": False, "false": False}
+    if text.lower() not in answers:
+        raise argparse.ArgumentTypeError(f"expected yes or no, got {text!r}")
+    return answers[text.lower()]
 
 
 def _yaml_options(path: str, parser: argparse.ArgumentParser) -> dict:
@@ -97,7 +113,8 @@ def print_summary(result: BuildResult) -> None:
     table = Table(
         title=f"{manifest['task']} -> {result.output_dir}" + (" (up to date, reused)" if result.reused else "")
     )
-    for column in ("corpus", "records", "samples", "tokens", "loss tokens", "rows", "padding", "skipped", "dropped"):
+    for column in ("corpus", "records", "samples", "tokens", "loss tokens", "rows", "padding", "ends", "skipped",
+                   "dropped"):
         table.add_column(column, justify="left" if column in ("corpus", "skipped", "dropped") else "right")
     for name, corpus in manifest["corpora"].items():
         tokens = sum(corpus["tokens"].values())
@@ -110,6 +127,7 @@ def print_summary(result: BuildResult) -> None:
             f"{sum(corpus['loss_tokens'].values()):,}",
             " / ".join(f"{corpus['rows'][s]:,}" for s in ("train", "valid")),
             f"{padding / max(1, tokens + padding):.2%}",
+            _ends(corpus),
             _reasons(corpus["skipped"]),
             _reasons(corpus["dropped"]),
         )
@@ -124,6 +142,12 @@ def print_summary(result: BuildResult) -> None:
         f"{manifest['elapsed_s']:.1f} s with {manifest['workers']} worker(s), {manifest['tokens_per_s']:,} tokens/s; "
         f"mixture {manifest['mixture']}"
     )
+
+
+def _ends(corpus: dict) -> str:
+    """Renderings whose last user turn ends the conversation with the marker, of those with a target."""
+    counts = corpus["end_targets"]
+    return f"{counts['ended']:,} / {sum(counts.values()):,}" + ("" if corpus["complete"] else " (cut)")
 
 
 def _reasons(counts: dict[str, int]) -> str:

@@ -22,21 +22,21 @@ import shutil
 import time
 import warnings
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from data_prep.packing import pack
 from data_prep.records import FORMATS, RecordError, decode_json_line, to_conversation
-from data_prep.render import USER_SPEAKERS
+from data_prep.render import END_MARKER, NOT_ENDED_REASONS, USER_SPEAKERS, end_turns
 from data_prep.shards import SPLITS, ShardResult, ShardSettings, load_split, process_shard, worker_init
 from data_prep.sources import Source, chitchat_source, open_source
 from data_prep.synthetic import DESCRIPTION as SYNTHETIC_DESCRIPTION
 from data_prep.synthetic import with_synthetic_thinking
 from data_prep.tokenizer import ENDOFTEXT, load_encoder, tokenizer_sha256, train_bpe
 
-FORMAT_VERSION = 2  # bump whenever the output changes for the same inputs and options
+FORMAT_VERSION = 3  # bump whenever the output changes for the same inputs and options
 RECORDS_PER_SHARD = 512  # small enough to balance a few workers on the 7k-conversation demo corpus
 SHARDS_PER_PACKING_GROUP = 256  # ~130k conversations packed together: good fill, bounded memory and open files
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,8 @@ TASKS = ("midtrain", "sft")
 DEFAULT_OUTPUT = {task: REPO_ROOT / ".cache" / "data" / f"chitchat-{task}" for task in TASKS}
 SFT_DEMO_CONVERSATIONS = 128  # one sample per supervised turn: 128 chats already give ~5M tokens
 DROP_REASONS = ("no_target_turn", "overlong_target_turns")
+# renderings with a target: those whose last user turn carries the end marker, and the others by reason
+END_TARGET_COUNTS = ("ended", *NOT_ENDED_REASONS)
 
 
 class PrepError(RuntimeError):
@@ -76,6 +78,7 @@ class PrepConfig:
     split: str = "train"
     valid_fraction: float = 0.01
     weights: list[float] | None = None
+    complete: list[bool] | None = None  # per input: its records are whole conversations (default: the format's)
     max_conversations: int | None = None
     progress: bool | None = None
 
@@ -96,6 +99,8 @@ class PrepConfig:
             raise PrepError(f"--valid-fraction must be in [0, 1), got {self.valid_fraction}")
         if self.weights is not None and len(self.weights) != max(1, len(self.inputs)):
             raise PrepError(f"--weights needs one weight per input, got {len(self.weights)}")
+        if self.complete is not None and len(self.complete) != max(1, len(self.inputs)):
+            raise PrepError(f"--complete needs one yes/no per input, got {len(self.complete)}")
         if self.tokenizer is None and self.vocab_size < 512:
             raise PrepError(f"--vocab-size must be at least 512 to train a tokenizer, got {self.vocab_size}")
 
@@ -114,6 +119,12 @@ class PrepConfig:
         """Stop at the first bad record, except in the embedded corpus, whose 10 conversations with an empty
         turn are known and skipped (and counted)."""
         return self.on_error or ("skip" if self.embedded else "fail")
+
+    def resolved_complete(self) -> list[bool]:
+        """Per input, whether its records are whole conversations: as given, else the record format's default."""
+        if self.complete is not None:
+            return [bool(c) for c in self.complete]
+        return [_record_format(self).complete] * max(1, len(self.inputs))
 
     def resolved_max_conversations(self) -> int | None:
         if self.max_conversations is None and self.embedded and self.task == "sft":
@@ -193,7 +204,9 @@ def _build_unlocked(
     )
     corpora = {}
     for index, source in enumerate(sources):
-        counts = _run_shards(source, work / source.name, settings, config)
+        complete = config.resolved_complete()[index]
+        source_settings = replace(settings, record_format=replace(settings.record_format, complete=complete))
+        counts = _run_shards(source, work / source.name, source_settings, config)
         corpus_manifest = _merge(counts, work / source.name, output / source.name, settings, pad_id)
         if corpus_manifest["samples_out"]["train"] == 0:
             raise PrepError(f"{source.name}: no training samples from {corpus_manifest['documents_in']:,} records "
@@ -206,6 +219,8 @@ def _build_unlocked(
             tokenizer=tokenizer_info,
             seq_length=config.seq_length,
             user_speaker=settings.user_speaker,
+            complete=complete,
+            end_marker=END_MARKER,
             valid_fraction=config.valid_fraction,
             thinking=(SYNTHETIC_DESCRIPTION if settings.synthetic_thinking else "from input")
             if settings.with_thinking
@@ -261,6 +276,7 @@ def _fingerprint(config: PrepConfig, source_fingerprints: list[dict]) -> str:
         "on_error": config.resolved_on_error(),
         "valid_fraction": config.valid_fraction,
         "weights": config.weights,
+        "complete": config.resolved_complete(),
         "max_conversations": config.resolved_max_conversations(),
         "sharding": [RECORDS_PER_SHARD, SHARDS_PER_PACKING_GROUP],
     }
@@ -278,7 +294,7 @@ def _records(source: Source, config: PrepConfig):
 def _training_texts(config: PrepConfig, sources: list[Source]):
     """Texts for the offline BPE; bad records are left out here and reported by the build itself."""
     fmt = _record_format(config)
-    for source in sources:
+    for source, complete in zip(sources, config.resolved_complete(), strict=True):
         for location, raw in _records(source, config):
             try:
                 record = decode_json_line(raw, location) if isinstance(raw, bytes) else raw
@@ -291,6 +307,9 @@ def _training_texts(config: PrepConfig, sources: list[Source]):
                 yield turn.content
                 if turn.thinking and config.task == "sft":
                     yield turn.thinking
+            for end in end_turns(conversation.turns, config.resolved_user_speaker(), complete):
+                if end is not None:
+                    yield f" {END_MARKER}"
 
 
 def _shards(source: Source, config: PrepConfig):
@@ -362,6 +381,7 @@ def _merge(counts: list[dict], work: Path, corpus_dir: Path, settings: ShardSett
         "content_tokens": sum(c["content_tokens"] for c in counts),
         "skipped": dict(sum((Counter(c["skipped"]) for c in counts), Counter())),
         "dropped": {reason: sum(c["dropped"][reason] for c in counts) for reason in DROP_REASONS},
+        "end_targets": {reason: sum(c["end_targets"][reason] for c in counts) for reason in END_TARGET_COUNTS},
         "loss_tokens": {split: sum(c[split]["loss_tokens"] for c in counts) for split in SPLITS},
     }
     for split in SPLITS:

@@ -50,7 +50,12 @@ class Conversation:
 
 @dataclass(frozen=True)
 class RecordFormat:
-    """Where the conversation lives in a record and how its role names map to the canonical ones."""
+    """Where the conversation lives in a record and how its role names map to the canonical ones, and whether a
+    record is a *complete* conversation (kept to where the people stopped, so its last user turn is where the
+    user left: ``data_prep.render`` trains the end marker there). The formats' defaults: the chit-chat corpus
+    holds whole chats; ``messages`` is the shape of conversation logs (WildChat, LMSYS-Chat-1M), whole; the
+    ShareGPT dumps in circulation split long conversations into parts that fit a context (Vicuna's cleaning), so
+    ``sharegpt`` is not. ``--complete`` overrides it per input."""
 
     messages_field: str = "messages"
     role_field: str = "role"
@@ -59,6 +64,7 @@ class RecordFormat:
     id_field: str = "id"
     role_names: dict[str, str] = field(default_factory=lambda: {r: r for r in CANONICAL_ROLES})
     chitchat: bool = False
+    complete: bool = True
 
     def with_overrides(self, **fields: str | None) -> "RecordFormat":
         """Apply ``--messages-field`` etc.; ``None`` keeps the format's own default."""
@@ -72,6 +78,7 @@ FORMATS = {
         role_field="from",
         content_field="value",
         role_names={"system": "system", "human": "user", "gpt": "assistant"},
+        complete=False,
     ),
     # chitchat-dataset: {"messages": [[{"sender", "text"}, ...], ...]}, one inner list per turn, two senders.
     # The first sender becomes "user", the second "assistant"; an utterance's lines are joined by "\n".

@@ -10,6 +10,13 @@ Every turn renders as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. The model
   ``<think>\\n{thinking}\\n</think>\\n\\n{content}<|im_end|>``. Like the template, earlier turns are shown
   without their thinking, so each supervised turn is its own sample.
 
+The user's leaving is a target too: in a *complete* conversation (one a source records whole, to where the
+people stopped) the last turn rendered as the user's is the one after which that user left, whoever spoke last
+(``eval_simulator`` counts an ending the same way), so its target ends with ``END_MARKER`` (`` <END>``) before the
+``<|im_end|>``: the content is rendered as ``f"{content} <END>"``. A conversation a source cut, or a
+window cut out of a long one, shows no marker where it was cut. Whether a source's conversations are complete
+is the source's setting (``data_prep.records.RecordFormat.complete``).
+
 Human-human chats choose who is the user with ``user_speaker``: ``role`` keeps the roles as given, ``first`` /
 ``second`` make the first / second speaker the user (the other becomes the assistant), ``both`` renders the
 conversation twice, once per speaker.
@@ -23,12 +30,15 @@ Contents are encoded separately from the template pieces (one batch per shard). 
 this equals encoding the whole rendered string, except for content that starts with a newline.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from data_prep.records import Conversation, Turn
 from data_prep.tokenizer import END_THINK, IM_END, IM_START, THINK, SentencePieceEncoder, TextEncoder
 
 USER_SPEAKERS = ("role", "first", "second", "both")
+# The one marker a simulator writes to end the conversation, trained here and read by every client of the project
+# (episodes, user models, evaluation); a served export maps it to a client's own (megatron_mimesis.serving).
+END_MARKER = "<END>"
 
 
 @dataclass(frozen=True)
@@ -55,25 +65,55 @@ class ChatTokens:
         )
 
 
+# Why a rendering has no end target: its source's conversations are not complete, its last user turn is longer
+# than seq_length (dropped), or (SFT) that turn has no thinking and so is no target at all.
+NOT_ENDED_REASONS = ("source_incomplete", "last_turn_overlong", "last_turn_unsupervised")
+
+
 @dataclass
 class RenderStats:
-    """Per-shard counts: samples made, renderings (conversation x user speaker) without any target turn, and
-    target turns dropped for being longer than ``seq_length``."""
+    """Per-shard counts: samples made, renderings (conversation x user speaker) without any target turn, target
+    turns dropped for being longer than ``seq_length``, and of the renderings with a target, how many end with
+    the user's leaving as a target (``ended``) and why the others do not."""
 
     samples: int = 0
     no_target_turn: int = 0
     overlong_target_turns: int = 0
+    ended: int = 0
+    not_ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NOT_ENDED_REASONS, 0))
 
 
-def texts_to_encode(conversation: Conversation, with_thinking: bool) -> list[str]:
-    """The strings of one conversation that need the tokenizer, in the order ``render`` consumes them."""
-    texts = [t.content for t in conversation.turns]
+def with_end_marker(content: str) -> str:
+    return f"{content} {END_MARKER}"
+
+
+def end_turns(turns: tuple[Turn, ...], user_speaker: str, complete: bool) -> list[int | None]:
+    """Per rendering, the turn after which its user left (the last one rendered as the user's), or ``None`` for
+    a conversation that may have gone on."""
+    return [max(i for i, role in enumerate(view) if role == "user") if complete and "user" in view else None
+            for view in rendered_roles(turns, user_speaker)]
+
+
+def texts_to_encode(conversation: Conversation, with_thinking: bool, user_speaker: str, complete: bool) -> list[str]:
+    """The strings of one conversation that need the tokenizer, in the order ``render`` consumes them: every
+    content, each thinking turn's thought and utterance, then each rendering's end turn with its marker (encoded
+    whole, so the target equals the encoding of the marked content in any tokenizer)."""
+    turns = conversation.turns
+    texts = [t.content for t in turns]
     if with_thinking:
-        for turn in conversation.turns:
+        for turn in turns:
             if turn.thinking is not None:
                 texts.append("\n" + turn.thinking.strip("\n") + "\n")
-                texts.append("\n\n" + turn.content.lstrip("\n"))
+                texts.append(_utterance(turn.content))
+    for end in end_turns(turns, user_speaker, complete):
+        if end is not None:
+            texts.append(with_end_marker(_utterance(turns[end].content) if with_thinking else turns[end].content))
     return texts
+
+
+def _utterance(content: str) -> str:
+    """What follows ``</think>`` in a thought-supervised target."""
+    return "\n\n" + content.lstrip("\n")
 
 
 def render(
@@ -84,57 +124,82 @@ def render(
     user_speaker: str,
     with_thinking: bool,
     stats: RenderStats,
-) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """Return ``(tokens, target_spans)`` samples of one conversation; ``encoded`` follows ``texts_to_encode``.
+    complete: bool,
+) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
+    """Return ``(tokens, target_spans)`` samples of one conversation; ``encoded`` follows ``texts_to_encode``
+    (called with the same ``with_thinking``, ``user_speaker`` and ``complete``).
 
-    ``target_spans`` are ``(start, end)`` token ranges of the targets (spans, not a per-token mask, because the
-    shard turns them into a mask array far faster than Python builds per-token lists)."""
+    ``target_spans`` are ``(start, end, turn)``: the token range of a target and the index of its turn (spans, not
+    a per-token mask, because the shard turns them into a mask array far faster than Python builds per-token
+    lists)."""
     turns = conversation.turns
     content_ids = encoded[: len(turns)]
-    thinking_ids = iter(encoded[len(turns) :])
+    rest = iter(encoded[len(turns) :])
     target_bodies: list[list[int] | None] = []
     for turn, content in zip(turns, content_ids, strict=True):
         if with_thinking:
             if turn.thinking is None:
                 target_bodies.append(None)
             else:
-                thought, utterance = next(thinking_ids), next(thinking_ids)
+                thought, utterance = next(rest), next(rest)
                 target_bodies.append([chat.think, *thought, chat.end_think, *utterance])
         else:
             target_bodies.append(content)
 
     samples = []
     closing = [chat.im_end, *chat.newline]
-    for view in rendered_roles(turns, user_speaker):
-        is_target = [role == "user" and body is not None for role, body in zip(view, target_bodies, strict=True)]
+    for view, end in zip(rendered_roles(turns, user_speaker), end_turns(turns, user_speaker, complete), strict=True):
+        bodies = list(target_bodies)
+        if end is not None:
+            marked = next(rest)
+            if with_thinking and bodies[end] is not None:
+                thought = bodies[end][1 : bodies[end].index(chat.end_think)]
+                bodies[end] = [chat.think, *thought, chat.end_think, *marked]
+            elif not with_thinking:
+                bodies[end] = marked
+        is_target = [role == "user" and body is not None for role, body in zip(view, bodies, strict=True)]
         if not any(is_target):
             stats.no_target_turn += 1
             continue
         frame = [len(chat.header[role]) + len(closing) for role in view]
         windows, overlong = plan_windows(
             [f + len(ids) for f, ids in zip(frame, content_ids, strict=True)],
-            [f + len(body) if flag else 0 for f, body, flag in zip(frame, target_bodies, is_target, strict=True)],
+            [f + len(body) if flag else 0 for f, body, flag in zip(frame, bodies, is_target, strict=True)],
             is_target,
             seq_length,
             pinned_system=turns[0].role == "system",
             one_target_per_window=with_thinking,
         )
         stats.overlong_target_turns += overlong
+        _count_ending(stats, end, is_target, windows)
         for window in windows:
             tokens: list[int] = []
-            spans: list[tuple[int, int]] = []
+            spans: list[tuple[int, int, int]] = []
             for index, supervised in window:
                 tokens += chat.header[view[index]]
                 if supervised:
                     start = len(tokens)
-                    tokens += target_bodies[index]
-                    spans.append((start, len(tokens) + 1))  # the body and its <|im_end|>
+                    tokens += bodies[index]
+                    spans.append((start, len(tokens) + 1, index))  # the body and its <|im_end|>
                 else:
                     tokens += content_ids[index]
                 tokens += closing
             samples.append((tokens, spans))
         stats.samples += len(windows)
     return samples
+
+
+def _count_ending(stats: RenderStats, end: int | None, is_target: list[bool], windows: list) -> None:
+    if end is None:
+        reason = "source_incomplete"
+    elif not is_target[end]:
+        reason = "last_turn_unsupervised"
+    elif not any(index == end and supervised for window in windows for index, supervised in window):
+        reason = "last_turn_overlong"
+    else:
+        stats.ended += 1
+        return
+    stats.not_ended[reason] += 1
 
 
 def rendered_roles(turns: tuple[Turn, ...], user_speaker: str) -> list[list[str]]:

@@ -86,7 +86,9 @@ def process_shard(stem: str, records: list[tuple[str, object]], settings: ShardS
             conversation = with_synthetic_thinking(conversation)
         conversations.append(conversation)
 
-    texts_per_conversation = [texts_to_encode(c, settings.with_thinking) for c in conversations]
+    complete = settings.record_format.complete
+    texts_per_conversation = [texts_to_encode(c, settings.with_thinking, settings.user_speaker, complete)
+                              for c in conversations]
     encoded = encoder.encode_batch([text for texts in texts_per_conversation for text in texts])
     stats = RenderStats()
     samples: dict[str, list] = {split: [] for split in SPLITS}
@@ -95,7 +97,7 @@ def process_shard(stem: str, records: list[tuple[str, object]], settings: ShardS
         ids = encoded[position : position + len(texts)]
         position += len(texts)
         rendered = render(
-            conversation, ids, chat, settings.seq_length, settings.user_speaker, settings.with_thinking, stats
+            conversation, ids, chat, settings.seq_length, settings.user_speaker, settings.with_thinking, stats, complete
         )
         samples[split_of(conversation.id, settings.valid_fraction)].extend(rendered)
 
@@ -105,6 +107,7 @@ def process_shard(stem: str, records: list[tuple[str, object]], settings: ShardS
         "content_tokens": sum(len(ids) for ids in encoded),
         "skipped": dict(skipped),
         "dropped": {"no_target_turn": stats.no_target_turn, "overlong_target_turns": stats.overlong_target_turns},
+        "end_targets": {"ended": stats.ended, **stats.not_ended},
     }
     for split in SPLITS:
         counts[split] = _write_split(stem, split, samples[split], np.dtype(settings.token_dtype))
@@ -114,14 +117,14 @@ def process_shard(stem: str, records: list[tuple[str, object]], settings: ShardS
     return ShardResult(stem, counts)
 
 
-def _write_split(stem: str, split: str, samples: list[tuple[list[int], list[tuple[int, int]]]], dtype) -> dict:
+def _write_split(stem: str, split: str, samples: list[tuple[list[int], list[tuple[int, int, int]]]], dtype) -> dict:
     lengths = np.array([len(tokens) for tokens, _ in samples], dtype=np.int64)
     offsets = np.cumsum(lengths) - lengths
     tokens = np.concatenate([np.array(t, dtype=dtype) for t, _ in samples]) if samples else np.zeros(0, dtype)
     starts = [
-        offset + start for offset, (_, spans) in zip(offsets.tolist(), samples, strict=True) for start, _ in spans
+        offset + start for offset, (_, spans) in zip(offsets.tolist(), samples, strict=True) for start, _, _ in spans
     ]
-    ends = [offset + end for offset, (_, spans) in zip(offsets.tolist(), samples, strict=True) for _, end in spans]
+    ends = [offset + end for offset, (_, spans) in zip(offsets.tolist(), samples, strict=True) for _, end, _ in spans]
     edges = np.zeros(len(tokens) + 1, dtype=np.int8)  # +1 where a target span opens, -1 where it closes
     edges[starts] += 1
     edges[ends] -= 1

@@ -15,14 +15,16 @@ def _encoder(tokenizer_dir) -> TextEncoder:
     return TextEncoder(tokenizer_dir)
 
 
-def training_samples(turns: list[dict], tokenizer_dir, thinking: bool = False) -> list[tuple[list[int], list]]:
+def training_samples(turns: list[dict], tokenizer_dir, thinking: bool = False,
+                     complete: bool = True) -> list[tuple[list[int], list]]:
     """``(tokens, target spans)`` of ``turns`` (``{"role", "content"[, "thinking"]}`` in the training roles: the
-    simulator is ``user``) as ``data_prep.midtrain`` (``thinking=False``) or ``data_prep.sft`` renders them."""
+    simulator is ``user``) as ``data_prep.midtrain`` (``thinking=False``) or ``data_prep.sft`` renders them, by default
+    as a complete conversation (its last user turn ends with the end marker)."""
     encoder = _encoder(tokenizer_dir)
     conversation = Conversation("c", tuple(Turn(t["role"], t["content"], t.get("thinking")) for t in turns))
-    encoded = encoder.encode_batch(texts_to_encode(conversation, with_thinking=thinking))
+    encoded = encoder.encode_batch(texts_to_encode(conversation, thinking, "role", complete))
     return render(conversation, encoded, ChatTokens.from_encoder(encoder), SEQ_LENGTH, "role", thinking,
-                  RenderStats())
+                  RenderStats(), complete)
 
 
 def prompt_of_last_turn(turns: list[dict], tokenizer_dir, thinking: bool = False) -> list[int]:

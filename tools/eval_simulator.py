@@ -80,6 +80,9 @@ def parse_args(argv):
     data.add_argument("--format", dest="record_format", choices=tuple(FORMATS), default="messages")
     for name in ("messages", "role", "content", "id"):
         data.add_argument(f"--{name}-field", help=f"record field holding the {name} (overrides --format)")
+    data.add_argument("--complete", choices=("yes", "no"),
+                      help="the records are whole conversations, so a human's last turn is where they left (the "
+                           "ends statistic, the end marker's likelihood); default: the format's, as in data_prep")
     data.add_argument("--user-speaker", choices=USER_SPEAKERS,
                       help="who plays the user (default: both for the embedded corpus, role for --input)")
     data.add_argument("--split", default="train", help="split to read from a datasets input")
@@ -164,7 +167,8 @@ def validate(args):
     held_out = read_conversations(args.inputs, args.record_format, args.user_speaker, args.valid_fraction,
                                   args.max_conversations, args.split, messages_field=args.messages_field,
                                   role_field=args.role_field, content_field=args.content_field,
-                                  id_field=args.id_field)
+                                  id_field=args.id_field,
+                                  complete=None if args.complete is None else args.complete == "yes")
     if judge:
         check_reachable(judge[0], "--judge", args.request_timeout)
     prepare(args.output, args.resume, args.overwrite)

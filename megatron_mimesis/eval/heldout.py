@@ -32,19 +32,20 @@ class Position:
     context: tuple[dict, ...]
     human: str
     last_assistant: str  # the other side's latest turn ("" at the opener)
-    human_ended: bool  # the human never spoke again in this conversation
+    human_ended: bool  # the human never spoke again in this conversation, and the source says it is complete
 
 
 @dataclass
 class HeldOut:
     renderings: list[tuple[Conversation, list[str], str]]  # (conversation, its roles as rendered, unit) each
     positions: list[Position]
+    complete: bool  # the records are whole conversations (data_prep.records.RecordFormat.complete)
     skipped: Counter = field(default_factory=Counter)  # bad records of the embedded corpus, by reason
 
 
 def read_conversations(inputs: list[str], record_format: str = "messages", user_speaker: str | None = None,
                        valid_fraction: float | None = None, max_conversations: int | None = None,
-                       split: str = "train", **field_overrides: str | None) -> HeldOut:
+                       split: str = "train", **field_overrides: str | bool | None) -> HeldOut:
     """The held-out set of ``inputs`` (empty: the embedded chit-chat corpus, whose known bad records are skipped
     and counted as data_prep does; in any given input the first bad record is an error). ``max_conversations``
     reads only the first N records of each corpus, as data_prep's flag of that name does, so a dataset built
@@ -52,7 +53,7 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
     embedded = not inputs
     if embedded:
         sources = [chitchat_source()]
-        fmt = FORMATS["chitchat"]
+        fmt = FORMATS["chitchat"].with_overrides(complete=field_overrides.get("complete"))
         valid_fraction = DEFAULT_VALID_FRACTION if valid_fraction is None else valid_fraction
     else:
         try:
@@ -61,7 +62,7 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
             raise HeldOutError(str(err)) from None
         fmt = FORMATS[record_format].with_overrides(**field_overrides)
     user_speaker = user_speaker or ("both" if embedded else "role")
-    held_out = HeldOut([], [])
+    held_out = HeldOut([], [], fmt.complete)
     for source in sources:
         for count, (location, raw) in enumerate(source.records()):
             if max_conversations is not None and count >= max_conversations:
@@ -79,7 +80,7 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
             for rendering, roles in enumerate(rendered_roles(conversation.turns, user_speaker)):
                 unit = f"{conversation.id}/{rendering}"
                 held_out.renderings.append((conversation, roles, unit))
-                held_out.positions += positions_of(conversation, roles, unit)
+                held_out.positions += positions_of(conversation, roles, unit, fmt.complete)
     if not held_out.positions:
         where = "the embedded corpus" if embedded else ", ".join(inputs)
         raise HeldOutError(f"{where}: no human turn to evaluate" +
@@ -87,13 +88,14 @@ def read_conversations(inputs: list[str], record_format: str = "messages", user_
     return held_out
 
 
-def positions_of(conversation: Conversation, roles: list[str], unit: str) -> list[Position]:
-    """Every turn rendered as the user's, with what came before it (system turn included, as in training)."""
+def positions_of(conversation: Conversation, roles: list[str], unit: str, complete: bool) -> list[Position]:
+    """Every turn rendered as the user's, with what came before it (system turn included, as in training); in a
+    complete conversation the last one is where the human left."""
     messages = [{"role": role, "content": turn.content} for role, turn in zip(roles, conversation.turns, strict=True)]
     user_turns = [i for i, role in enumerate(roles) if role == "user"]
     out = []
     for i in user_turns:
         last_assistant = next((m["content"] for m in reversed(messages[:i]) if m["role"] == "assistant"), "")
         out.append(Position(f"{unit}/{i}", unit, tuple(messages[:i]), messages[i]["content"], last_assistant,
-                            human_ended=i == user_turns[-1]))
+                            human_ended=complete and i == user_turns[-1]))
     return out

@@ -102,6 +102,18 @@ def _distinct(field) -> Statistic:
     return Statistic(ratio, _mean)
 
 
+def conversation_turns(group: list[dict]) -> tuple[int, int]:
+    """(this row's, the human's) user turns in one conversation. Each position replays the human's context, so
+    this row's conversation lasts to the first position where it ended, else as long as the human's data (the
+    humans end at their last turn): a simulator that never ends is censored at the humans' lengths."""
+    ended = next((k for k, o in enumerate(group, start=1) if o.get("ended")), None)
+    return ended or len(group), len(group)
+
+
+def turns_distance(pairs: list[tuple[int, int]]) -> float | None:
+    return float(wasserstein_distance([p[0] for p in pairs], [p[1] for p in pairs])) if pairs else None
+
+
 def mean_words(obs):
     return _mean(o.get("words") for o in obs)
 
@@ -161,6 +173,11 @@ BEHAVIOUR = {
     Metric("question_rate", "questions", "behaviour", "share of turns with a question mark"):
         pooled(_rate("question")),
     Metric("end_rate", "ends", "behaviour", "share of turns that end the conversation"): pooled(_rate("ended")),
+    Metric("mean_turns", "turns/conv.", "behaviour", "user turns a conversation lasts, to the first that ends it"):
+        Statistic(conversation_turns, lambda pairs: _mean(p[0] for p in pairs)),
+    Metric("turns_distance", "turns dist.", "behaviour", "earth mover's distance of conversation lengths to the "
+                                                         "humans', user turns"): Statistic(conversation_turns,
+                                                                                           turns_distance),
     Metric("distinct_1", "distinct-1", "behaviour", "distinct words / words in a conversation's turns, mean over conversations"): _distinct("unigrams"),
     Metric("distinct_2", "distinct-2", "behaviour", "the same for word bigrams"):
         _distinct("bigrams"),

@@ -28,6 +28,7 @@ from pathlib import Path
 import openai
 import torch
 
+from data_prep.render import END_MARKER
 from megatron_mimesis.eval.likelihood import LikelihoodUnavailable
 from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer, flip_roles, strip_thinking
@@ -35,7 +36,6 @@ from megatron_mimesis.rl.engines.protocol import request_seeds
 from megatron_mimesis.rl.types import SamplingParams
 
 KINDS = ("hf", "ckpt", "openai")
-STOP_MARKER = "<END>"
 USER_TEMPLATE = Path(__file__).with_name("templates") / "play_the_user.txt"
 
 
@@ -109,8 +109,8 @@ def to_reply(thinking_and_text: tuple[str | None, str], error: str | None = None
     if error is not None:
         return Reply("", False, error)
     text = thinking_and_text[1]
-    ended = STOP_MARKER in text
-    text = text.replace(STOP_MARKER, "").strip()
+    ended = END_MARKER in text
+    text = text.replace(END_MARKER, "").strip()
     if not text and not ended:
         return Reply("", False, "empty utterance")
     return Reply(text, ended)
@@ -161,7 +161,7 @@ class EngineSimulator:
 
     def user_model(self):
         """The simulator as the user of agent episodes (calibration)."""
-        return EngineUserModel(self.engine, self.renderer, self.sampling, stop_marker=STOP_MARKER)
+        return EngineUserModel(self.engine, self.renderer, self.sampling)
 
 
 class ChatSimulator:
@@ -176,7 +176,7 @@ class ChatSimulator:
         self.base_url = base_url
         self.model = model
         self.settings = settings
-        self.system = template.read_text().replace("{stop_marker}", STOP_MARKER)
+        self.system = template.read_text().replace("{stop_marker}", END_MARKER)
 
     def reply(self, positions, seed: int) -> list[Reply]:
         with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
@@ -198,7 +198,7 @@ class ChatSimulator:
 
     def user_model(self):
         """The chat model as the user of agent episodes (calibration): the task's scenario is its prompt."""
-        return OpenAIUserModel(self.base_url, self.model, stop_marker=STOP_MARKER,
+        return OpenAIUserModel(self.base_url, self.model,
                                max_tokens=self.settings.max_new_tokens, temperature=self.settings.temperature,
                                timeout_s=self.settings.request_timeout, concurrency=self.settings.concurrency)
 

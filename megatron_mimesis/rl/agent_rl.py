@@ -110,8 +110,7 @@ class AgentRL(RLLoop):
         engine = LocalEngine(self.frozen_copy(options["load"]), self.tokenizer, self.device)
         sampling = SamplingParams(max_new_tokens=options.get("max_new_tokens", 512),
                                   temperature=options.get("temperature", 1.0))
-        return EngineUserModel(engine, ChatRenderer(self.tokenizer, thinking=options.get("thinking", True)), sampling,
-                               options.get("stop_marker", "<END>"))
+        return EngineUserModel(engine, ChatRenderer(self.tokenizer, thinking=options.get("thinking", True)), sampling)
 
     def _coach(self):
         from megatron_mimesis.rl.agent.csd import EngineCoach, OpenAICoach, ScriptedCoach

@@ -54,7 +54,7 @@ class SimulatorRL(RLLoop):
             self.engine, ChatRenderer(self.tokenizer, thinking=c.thinking),
             _LeaderCounterpart(self._counterpart(), self.mp_group),
             SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p),
-            max_turns=c.max_turns, stop_marker=c.stop_marker,
+            max_turns=c.max_turns,
         )
 
     def _counterpart(self):

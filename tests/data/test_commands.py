@@ -26,6 +26,10 @@ def test_sft_builds_thinking_targets_from_a_file(char_tokenizer_dir, tmp_path):
     assert manifest["task"] == "sft" and corpus["documents_in"] == 3
     assert corpus["samples_out"]["train"] == 6  # one sample per thought
     assert "sft -> sft" in done.stdout
+    # a messages file is whole conversations unless told: each one's last thought-supervised turn ends it
+    assert corpus["complete"] and corpus["end_targets"]["ended"] == 3 and "3 / 3" in done.stdout
+    wrong = _run("data_prep.sft", "--input", "thoughttrace.jsonl", "--complete", "maybe", cwd=tmp_path)
+    assert wrong.returncode == 2 and "--complete: expected yes or no, got 'maybe'" in wrong.stderr
 
 
 def test_bench_prints_and_writes_its_rates(tiny_dataset, tmp_path, checkout_untouched):

@@ -31,7 +31,7 @@ def build_jsonl(tmp_path, tokenizer_dir, records, **options):
 
 def test_packed_row_exact_item(tmp_path, char_tokenizer_dir):
     records = [conversation(("user", "hi"), ("assistant", "yo")), conversation(("user", "ok"))]
-    result = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40)
+    result = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40, complete=[False])
     dataset = PackedConversationDataset(result.manifest["corpora"]["corpus"]["prefixes"]["train"])
     assert len(dataset) == 1 and dataset.seq_length == 40
     item = dataset[0]
@@ -60,13 +60,14 @@ def test_round_trip_decodes_original_user_turns(tmp_path):
         item = dataset[row]
         targets = item["labels"][item["loss_mask"].bool()].tolist()
         user_turns += [t for t in encoder.decode(targets).split("<|im_end|>") if t]
-    expected = ["Hello there!", "Your neighbour.", "Tell me a joke.", "What time is it?"]
+    # each conversation's last user turn is where the user left (a messages corpus is complete by default)
+    expected = ["Hello there!", "Your neighbour. <END>", "Tell me a joke. <END>", "What time is it? <END>"]
     assert sorted(user_turns) == sorted(expected * 20)
 
 
 def test_manifest_counts(tmp_path, char_tokenizer_dir):
     records = [conversation(("user", "hi"), ("assistant", "yo")), conversation(("user", "ok"))]
-    result = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40)
+    result = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40, complete=[False])
     corpus = result.manifest["corpora"]["corpus"]
     assert corpus["documents_in"] == 2 and corpus["conversations"] == 2
     assert corpus["samples_out"] == {"train": 2, "valid": 0}
@@ -176,7 +177,8 @@ def test_datasets_directory_with_column_mapping(tmp_path, char_tokenizer_dir, mo
 
 def test_collate_flattens_boundaries_for_thd(tmp_path, char_tokenizer_dir):
     records = [conversation(("user", "hi"), ("assistant", "yo")), conversation(("user", "ok"))]
-    prefix = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40).manifest["corpora"]["corpus"]["prefixes"]
+    built = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40, complete=[False])
+    prefix = built.manifest["corpora"]["corpus"]["prefixes"]
     row = PackedConversationDataset(prefix["train"])[0]
     batch = collate_packed([row, row])
     assert batch["tokens"].shape == (2, 40) and batch["loss_mask"].shape == (2, 40)
@@ -256,7 +258,32 @@ def test_packing_groups_of_shards(tmp_path, char_tokenizer_dir, monkeypatch):
     monkeypatch.setattr(pipeline, "RECORDS_PER_SHARD", 1)
     monkeypatch.setattr(pipeline, "SHARDS_PER_PACKING_GROUP", 2)
     records = [conversation(("user", "hi"), ("assistant", "yo")) for _ in range(5)]
-    corpus = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40).manifest["corpora"]["corpus"]
+    corpus = build_jsonl(tmp_path, char_tokenizer_dir, records, seq_length=40, complete=[False]).manifest["corpora"]
+    corpus = corpus["corpus"]
     assert corpus["rows"]["train"] == 3 and corpus["padding_tokens"]["train"] == 3 * 40 - 5 * 10
     dataset = PackedConversationDataset(corpus["prefixes"]["train"])
     assert [dataset[i]["cu_seqlens"].tolist() for i in range(3)] == [[0, 10, 20, 40], [0, 10, 20, 40], [0, 10, 40]]
+
+
+def test_end_targets_per_corpus_with_completeness_per_input(tmp_path, char_tokenizer_dir):
+    """The manifest counts, per corpus, the renderings whose last user turn ends the conversation and why the
+    others do not; ``complete`` is one answer per input, and a sharegpt corpus is not complete unless told."""
+    records = [conversation(("user", "hi"), ("assistant", "yo"), ("user", "ok")),
+               conversation(("assistant", "yo"), ("user", "ok")),
+               conversation(("user", "hi"), ("assistant", "yo"), ("user", "x" * 60))]
+    whole = write_jsonl(tmp_path / "whole.jsonl", records)
+    cut = write_jsonl(tmp_path / "cut.jsonl", records)
+    result = build(inputs=[str(whole), str(cut)], output=str(tmp_path / "out"), tokenizer=str(char_tokenizer_dir),
+                   seq_length=40, valid_fraction=0.0, complete=[True, False])
+    corpora = result.manifest["corpora"]
+    assert corpora["whole"]["complete"] and corpora["whole"]["end_marker"] == "<END>"
+    assert corpora["whole"]["end_targets"] == {"ended": 2, "source_incomplete": 0, "last_turn_overlong": 1,
+                                               "last_turn_unsupervised": 0}
+    assert corpora["cut"]["end_targets"] == {"ended": 0, "source_incomplete": 3, "last_turn_overlong": 0,
+                                             "last_turn_unsupervised": 0}
+    # the marked corpus has one more target per ended conversation: " <END>" (6 characters) each
+    assert sum(corpora["whole"]["loss_tokens"].values()) == sum(corpora["cut"]["loss_tokens"].values()) + 2 * 6
+    assert pipeline.PrepConfig(inputs=["a.json"], record_format="sharegpt").resolved_complete() == [False]
+    assert pipeline.PrepConfig(inputs=["a.json", "b.json"]).resolved_complete() == [True, True]
+    with pytest.raises(pipeline.PrepError, match="--complete needs one yes/no per input, got 1"):
+        pipeline.PrepConfig(inputs=["a.json", "b.json"], complete=[True])

@@ -83,6 +83,6 @@ def test_sentencepiece_model_as_tokenizer(tmp_path):
     from megatron_mimesis.data import PackedConversationDataset
 
     tokens = PackedConversationDataset(result.manifest["corpora"]["c"]["prefixes"]["train"])[0]["tokens"].tolist()
-    user_ids = encoder.encode_batch(["user\n", "hello there", "\n"])
+    user_ids = encoder.encode_batch(["user\n", "hello there <END>", "\n"])  # the user's last turn: it left
     assert tokens[: 2 + sum(map(len, user_ids))] == [im_start, *user_ids[0], *user_ids[1], im_end, *user_ids[2]]
     assert result.manifest["tokenizer"]["path"] == str(model.resolve())

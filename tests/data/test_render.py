@@ -11,16 +11,17 @@ ASSISTANT = [IM_START, *ids("assistant\n")]  # 11 tokens
 SYSTEM = [IM_START, *ids("system\n")]  # 8 tokens
 
 
-def rendered(encoder, record, seq_length=1000, user_speaker="role", with_thinking=False):
+def rendered(encoder, record, seq_length=1000, user_speaker="role", with_thinking=False, complete=False):
     conv = to_conversation(record, "test:1", FORMATS["messages"])
     stats = RenderStats()
-    encoded = encoder.encode_batch(texts_to_encode(conv, with_thinking))
-    samples = render(conv, encoded, ChatTokens.from_encoder(encoder), seq_length, user_speaker, with_thinking, stats)
+    encoded = encoder.encode_batch(texts_to_encode(conv, with_thinking, user_speaker, complete))
+    samples = render(conv, encoded, ChatTokens.from_encoder(encoder), seq_length, user_speaker, with_thinking, stats,
+                     complete)
     return samples, stats
 
 
 def positions(spans):
-    return [i for start, end in spans for i in range(start, end)]
+    return [i for start, end, _ in spans for i in range(start, end)]
 
 
 def test_midtrain_rendering_exact_ids_and_mask(encoder):
@@ -132,6 +133,71 @@ def test_target_longer_than_seq_length_is_counted_not_cut(encoder):
     samples, stats = rendered(encoder, record, seq_length=30)
     assert stats.overlong_target_turns == 1
     assert [s[0] for s in samples] == [[*USER, *ids("hi"), IM_END, NL]]
+
+
+END = ids(" <END>")  # the end marker as the content's continuation: " <END>" after the user's last words
+
+
+def test_the_last_user_turn_of_a_complete_conversation_ends_it_with_the_marker(encoder):
+    # the assistant spoke last: the user's last turn is still the one after which they left
+    record = conversation(("user", "hi"), ("assistant", "yo"), ("user", "ok"), ("assistant", "bye"))
+    (sample,), stats = rendered(encoder, record, complete=True)
+    tokens, spans = sample
+    assert tokens == [
+        *USER, *ids("hi"), IM_END, NL,
+        *ASSISTANT, *ids("yo"), IM_END, NL,
+        *USER, *ids("ok"), *END, IM_END, NL,
+    ]  # fmt: skip
+    # the marker and <|im_end|> are targets with the words; "hi" carries none
+    assert positions(spans) == [6, 7, 8, *range(31, 31 + 2 + len(END) + 1)]
+    assert [turn for _, _, turn in spans] == [0, 2]
+    assert stats.ended == 1 and sum(stats.not_ended.values()) == 0
+    # the same conversation from a source that may have cut it: no marker, counted as such
+    (sample,), stats = rendered(encoder, record, complete=False)
+    assert sample[0][-4:] == [*ids("ok"), IM_END, NL] and stats.ended == 0
+    assert stats.not_ended["source_incomplete"] == 1
+
+
+def test_each_rendering_ends_at_its_own_users_last_turn(encoder):
+    record = conversation(("user", "hi"), ("assistant", "yo"), ("user", "ok"))
+    both, stats = rendered(encoder, record, user_speaker="both", complete=True)
+    first, second = (tokens for tokens, _ in both)
+    assert first[-len(END) - 4:] == [*ids("ok"), *END, IM_END, NL] and first[6:10] == [*ids("hi"), IM_END, NL]
+    # the second speaker's only turn is its last: it left after "yo" (the first speaker said "ok" after it)
+    assert second == [*ASSISTANT, *ids("hi"), IM_END, NL, *USER, *ids("yo"), *END, IM_END, NL]
+    assert stats.ended == 2
+
+
+def test_a_window_cut_out_of_a_long_conversation_has_no_marker_where_it_was_cut(encoder):
+    # as test_long_conversation_keeps_recent_context_and_whole_targets, complete: window 1 ends at "cccc", unmarked
+    record = conversation(
+        ("user", "aaaa"), ("assistant", "bbbb"), ("user", "cccc"), ("assistant", "dd"), ("user", "ee")
+    )
+    (tokens_a, _), (tokens_b, spans_b), *rest = rendered(encoder, record, seq_length=44 + len(END), complete=True)[0]
+    assert rest == [] and tokens_a[-6:] == [*ids("cccc"), IM_END, NL] and ids("<")[0] not in tokens_a
+    assert tokens_b == [*ASSISTANT, *ids("dd"), IM_END, NL, *USER, *ids("ee"), *END, IM_END, NL]
+    assert positions(spans_b) == list(range(21, 21 + 2 + len(END) + 1))
+
+
+def test_an_overlong_last_turn_is_counted_without_an_end_target(encoder):
+    record = conversation(("user", "hi"), ("assistant", "yo"), ("user", "x" * 40))
+    samples, stats = rendered(encoder, record, seq_length=30, complete=True)
+    assert [s[0] for s in samples] == [[*USER, *ids("hi"), IM_END, NL]]
+    assert stats.ended == 0 and stats.not_ended["last_turn_overlong"] == 1
+
+
+def test_sft_ends_the_utterance_after_the_thought_with_the_marker(encoder):
+    record = conversation(("user", "hi", "hm"), ("assistant", "yo"), ("user", "ok", "so"))
+    samples, stats = rendered(encoder, record, with_thinking=True, complete=True)
+    first, second = samples
+    assert first[0] == [*USER, THINK, *ids("\nhm\n"), END_THINK, *ids("\n\nhi"), IM_END, NL]  # not its last turn
+    assert second[0][-(len(END) + 12):] == [THINK, *ids("\nso\n"), END_THINK, *ids("\n\nok"), *END, IM_END, NL]
+    assert positions(second[1]) == list(range(31, 42 + len(END)))
+    assert stats.ended == 1
+    # a last turn without a thought is no SFT target, so no end target either
+    record = conversation(("user", "hi", "hm"), ("assistant", "yo"), ("user", "ok"))
+    _, stats = rendered(encoder, record, with_thinking=True, complete=True)
+    assert stats.ended == 0 and stats.not_ended["last_turn_unsupervised"] == 1
 
 
 @pytest.mark.parametrize(

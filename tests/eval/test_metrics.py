@@ -57,6 +57,7 @@ def test_echo_simulator_is_at_distance_zero_with_the_humans_statistics(heldout_f
     human = {name: cells[HUMAN][name]["value"] for name in BEHAVIOUR}
     assert human["question_rate"] == pytest.approx(2 / 7)  # "...last night?" and "right??" ("...tonight" has no "?")
     assert human["end_rate"] == pytest.approx(3 / 7)  # each conversation's last user turn
+    assert human["mean_turns"] == pytest.approx(7 / 3) and human["turns_distance"] == 0.0  # 3, 2 and 2 turns
     assert human["assistant_rate"] == 0.0
     words = [8, 7, 5, 5, 5, 8, 5]  # ":)" is no word
     assert human["mean_words"] == pytest.approx(sum(words) / 7)
@@ -68,9 +69,23 @@ def test_assistant_styled_simulator_is_far_on_every_llm_free_metric(heldout_file
     human, sim = cells[HUMAN], cells["assistant"]
     far = {"length_distance": 20.0, "mean_words": 20.0, "question_rate": 0.4, "end_rate": 0.4, "distinct_1": 0.3,
            "distinct_2": 0.3, "copy_rate": 0.05, "assistant_rate": 0.9}  # copying: the humans never copy here
-    assert set(far) == set(BEHAVIOUR)
+    # it never ends: its conversations last as long as the humans' data (censored there), not longer
+    same = {"mean_turns", "turns_distance"}
+    assert set(far) | same == set(BEHAVIOUR)
     for name, gap in far.items():
         assert abs(sim[name]["value"] - human[name]["value"]) > gap, (name, sim[name], human[name])
+    assert sim["turns_distance"]["value"] == 0.0 and sim["mean_turns"]["value"] == human["mean_turns"]["value"]
+
+
+def test_conversation_lengths_by_hand():
+    """Each conversation lasts to the first position where the row ended; the humans' to their last turn."""
+    rows = [("a", [False, True, False]), ("b", [False, False]), ("c", [True, False, False, True])]
+    obs = [{"unit": unit, "ended": e} for unit, ends in rows for e in ends]
+    pairs = [M.conversation_turns(g) for g in M.conversations(obs)]
+    assert pairs == [(2, 3), (2, 2), (1, 4)]
+    (mean_turns, turns_distance) = (M.BEHAVIOUR[m] for m in M.BEHAVIOUR if m.name in ("mean_turns", "turns_distance"))
+    assert mean_turns(obs) == pytest.approx(5 / 3)
+    assert turns_distance(obs) == pytest.approx((1 + 1 + 2) / 3)  # sorted 1,2,2 against 2,3,4
 
 
 def test_failed_generations_are_counted_and_left_out(heldout_file, tmp_path):

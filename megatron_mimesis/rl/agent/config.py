@@ -16,7 +16,7 @@ from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, ConfigErr
 # "scripted": the toy env's scripted user; "local": a frozen megatron copy of the simulator in the training
 # processes (it must share the agent's architecture and tokenizer; otherwise serve it and use "openai")
 USER_MODELS = ("openai", "scripted", "local")
-LOCAL_USER_OPTIONS = {"load", "thinking", "max_new_tokens", "temperature", "stop_marker"}
+LOCAL_USER_OPTIONS = {"load", "thinking", "max_new_tokens", "temperature"}
 COACHES = ("none", "openai", "policy", "scripted")  # "policy": the agent's own engine writes the notes
 
 
@@ -34,7 +34,8 @@ class AgentRLConfig(RLConfig):
     thinking: bool = True  # the agent's own thinking (its family's thinking template: enable_thinking)
     gamma: float = 0.8  # reward-to-go discount over agent turns
     # the frozen user simulator. openai: OpenAIUserModel keyword arguments (e.g. a `vllm serve` of the simulator);
-    # local: {"load": HF or dist checkpoint directory, "thinking", "max_new_tokens", "temperature", "stop_marker"}
+    # local: {"load": HF or dist checkpoint directory, "thinking", "max_new_tokens", "temperature"}; it ends with
+    # the trained end marker (data_prep.render.END_MARKER)
     user_model: str = "openai"
     user_model_options: dict = field(default_factory=dict)
     # CSD

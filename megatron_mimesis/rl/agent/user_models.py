@@ -3,8 +3,10 @@
 A user model gets, per episode, its private instructions (the task's user scenario) and the public transcript
 from the user's side (``user`` messages are its own earlier utterances, ``assistant`` messages the agent's public
 text; tool calls and tool results are the agent's business and never shown). It answers with its private
-thinking z (kept for the coach, never shown to the agent) and its public utterance x. Writing ``stop_marker``
-ends the conversation. A failed request comes back as that reply's ``error`` rather than raising.
+thinking z (kept for the coach, never shown to the agent) and its public utterance x. Writing the stop marker
+ends the conversation: the simulator's trained ``END_MARKER``, or what a model behind an endpoint is told to write
+(``stop_marker``; a served export writes a client's own through ``megatron_mimesis.serving.marker_relay``). A
+failed request comes back as that reply's ``error`` rather than raising.
 """
 
 from collections.abc import Callable
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import openai
 
+from data_prep.render import END_MARKER
 from megatron_mimesis.rl.chat import ChatRenderer, check_public, flip_roles, strip_thinking
 from megatron_mimesis.rl.engines.protocol import RolloutEngine
 from megatron_mimesis.rl.types import SamplingParams
@@ -50,18 +53,16 @@ def _messages(instructions: str, transcript: list[dict]) -> list[dict]:
 class EngineUserModel:
     """The simulator sampled by a rollout engine (vLLM or the local megatron engine) with its chat template."""
 
-    def __init__(self, engine: RolloutEngine, renderer: ChatRenderer, sampling: SamplingParams,
-                 stop_marker: str = "<END>"):
+    def __init__(self, engine: RolloutEngine, renderer: ChatRenderer, sampling: SamplingParams):
         self.engine = engine
         self.renderer = renderer
         self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
-        self.stop_marker = stop_marker
 
     def reply_many(self, instructions: list[str], transcripts: list[list[dict]],
                    seed: int | None = None) -> list[UserReply]:
         prompts = [self.renderer.user_prompt(_messages(i, t)) for i, t in zip(instructions, transcripts, strict=True)]
         generations = self.engine.generate(prompts, replace(self.sampling, seed=seed))
-        return [_reply(*self.renderer.split_thinking(g.text), self.stop_marker) for g in generations]
+        return [_reply(*self.renderer.split_thinking(g.text), END_MARKER) for g in generations]
 
 
 class OpenAIUserModel:
@@ -75,7 +76,7 @@ class OpenAIUserModel:
     Thinking comes back either in the content (``<think>...</think>``) or, with a reasoning parser on the
     server, as ``reasoning_content``; both are treated as private."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, stop_marker: str = "<END>",
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, stop_marker: str = END_MARKER,
                  max_tokens: int = 1024, temperature: float = 1.0, timeout_s: float = 120, max_retries: int = 3,
                  concurrency: int = 16):
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY", timeout=timeout_s,
@@ -111,7 +112,7 @@ class OpenAIUserModel:
 class ScriptedUserModel:
     """Replies computed by ``fn(instructions, transcript) -> (thinking, utterance)``: toy envs and tests."""
 
-    def __init__(self, fn: Callable[[str, list[dict]], tuple[str | None, str]], stop_marker: str = "<END>"):
+    def __init__(self, fn: Callable[[str, list[dict]], tuple[str | None, str]], stop_marker: str = END_MARKER):
         self.fn = fn
         self.stop_marker = stop_marker
 

@@ -10,6 +10,7 @@ hindsight a coach's note can turn into a dense teacher signal.
 import random
 import re
 
+from data_prep.render import END_MARKER
 from megatron_mimesis.rl.agent.user_models import ScriptedUserModel
 from megatron_mimesis.rl.envs.base import EnvScore, EnvTask, ToolCall
 
@@ -67,7 +68,7 @@ class ToySuite:
         return ToyEnv(task, item, self.max_words)
 
 
-def toy_user(stop_marker: str = "<END>", patience: int = 2) -> ScriptedUserModel:
+def toy_user(stop_marker: str = END_MARKER, patience: int = 2) -> ScriptedUserModel:
     """Asks for its item's code, thanks and stops when the agent gives it, stops after ``patience`` tries."""
 
     def reply(instructions: str, transcript: list[dict]) -> tuple[str, str]:

@@ -24,7 +24,6 @@ class SimulatorRLConfig(RLConfig):
     prompts_per_step: int = 64
     max_turns: int = 4
     thinking: bool = True
-    stop_marker: str = "<END>"
     counterpart: str = "openai"
     # OpenAICounterpart's keyword arguments, or for "scripted" {"reply": text}: a fixed answer (toy domains, tests)
     counterpart_options: dict = field(default_factory=dict)

@@ -6,9 +6,9 @@ public transcript (never earlier thinking) and the user generation header; its t
 ``PolicyTurn`` and only the utterance joins the transcript. Transcripts are the only thing counterparts receive,
 and ``check_public`` guards them on the way out.
 
-An episode ends when the simulator writes ``stop_marker``, after ``max_turns`` policy turns, when the counterpart
-says it is done, or with ``finished = "error: ..."`` (an empty utterance, a counterpart failure) for the caller
-to count. ``fold_rows`` turns scored episodes into FoldGRPO rows: one row per policy turn, each with its own
+An episode ends when the simulator writes the end marker (``data_prep.render.END_MARKER``, as mid-training
+taught it), after ``max_turns`` policy turns, when the counterpart says it is done, or with ``finished = "error:
+..."`` (an empty utterance, a counterpart failure) for the caller to count. ``fold_rows`` turns scored episodes into FoldGRPO rows: one row per policy turn, each with its own
 context, sharing the rollout's ids and reward.
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
+from data_prep.render import END_MARKER
 from megatron_mimesis.rl.chat import ChatRenderer, check_public
 from megatron_mimesis.rl.engines.protocol import RolloutEngine
 from megatron_mimesis.rl.simulator.counterparts import Counterpart
@@ -43,7 +44,6 @@ class EpisodeRunner:
         counterpart: Counterpart,
         sampling: SamplingParams,
         max_turns: int,
-        stop_marker: str = "<END>",
         policy_system_prompt_fn: Callable[[PromptLike], str] = task_prompt,
     ):
         if max_turns < 1:
@@ -53,7 +53,6 @@ class EpisodeRunner:
         self.counterpart = counterpart
         self.sampling = replace(sampling, stop_token_ids=renderer.stop_token_ids)
         self.max_turns = max_turns
-        self.stop_marker = stop_marker
         self.policy_system_prompt_fn = policy_system_prompt_fn
 
     def run(self, prompts: list[PromptLike], rollouts_per_prompt: int, step_seed: int,
@@ -98,9 +97,9 @@ class EpisodeRunner:
     def _policy_turn(self, episode: Episode, context: list[int], generation: Generation, last: bool) -> bool:
         """Record the policy's turn; return whether the conversation goes on to the counterpart."""
         thinking, utterance = self.renderer.split_thinking(generation.text)
-        stopped = self.stop_marker in utterance
+        stopped = END_MARKER in utterance
         if stopped:
-            utterance = utterance.replace(self.stop_marker, "").strip()
+            utterance = utterance.replace(END_MARKER, "").strip()
         episode.turns.append(
             PolicyTurn(
                 context_ids=context,

@@ -1,0 +1,1 @@
+"""Serving a trained simulator to other people's clients (beside ``vllm serve`` of an export)."""
