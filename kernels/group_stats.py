@@ -74,3 +74,26 @@ def discounted_returns(rewards_per_turn, episode_ids, gamma=0.8, *, impl="auto")
     discounted_returns_kernel[(n,)](rewards_per_turn.float()[order].contiguous(), order, starts, out, n, gamma,
                                     **config.options)
     return out
+
+
+def turn_credit_advantages(credits, group_ids, rollout_ids, response_lengths, *, eps=1e-6):
+    """UserRL's multi-turn advantage (``grpo_multiturn`` with R2G turn credits and an R2G trajectory score), per row.
+
+    Rows are turns, in turn order within each rollout (ids unique across groups); ``credits`` are each turn's
+    reward-to-go c_t = r_t + gamma c_{t+1}, so a rollout's first row holds its trajectory score c_0. With z the
+    rollout's z-score of c_0 in its group ((c_0 - mean) / (std + eps), unbiased std over the group's rollouts), N its
+    response tokens whose turn has a nonzero credit and S the sum of credits over its response tokens, every token of
+    turn t gets c_t z N / S: the mean advantage per credited token is z, spread over the turns by their credit. An
+    episode whose credits sum to 0 (every turn reward 0) gets 0, so a failed episode pushes nothing down. Plain
+    PyTorch: one value per row (turns, not tokens), where a kernel would buy nothing."""
+    credits, lengths = credits.float(), response_lengths.float()
+    _, rollout = torch.unique(rollout_ids, return_inverse=True)
+    count = int(rollout.max()) + 1 if rollout.numel() else 0
+    rows = torch.arange(credits.shape[0], device=credits.device)
+    first = torch.full((count,), credits.shape[0], dtype=torch.long, device=credits.device)
+    first = first.scatter_reduce(0, rollout, rows, reduce="amin")
+    z = reference.group_advantages(credits[first], group_ids[first], eps=eps).to(credits.device)
+    total = torch.zeros(count, device=credits.device).index_add(0, rollout, credits * lengths)
+    credited = torch.zeros(count, device=credits.device).index_add(0, rollout, lengths * (credits != 0).float())
+    scale = torch.where(total != 0, z * credited / torch.where(total != 0, total, 1.0), 0.0)
+    return credits * scale[rollout]

@@ -33,10 +33,11 @@ def group_advantage_kernel(REWARD, FIRST, ORDER, STARTS, OUT, num_rows, eps, UNB
     single = n < 2.0
     mean = tl.where(single, 0.0, mean)
     std = tl.where(single, 1.0, std)
+    flat = std <= eps
     for offset in range(start, end, BLOCK):
         rows = offset + tl.arange(0, BLOCK)
         reward = tl.load(REWARD + rows, mask=rows < end, other=0.0)
-        advantage = (reward - mean) / (std + eps)
+        advantage = tl.where(flat, 0.0, (reward - mean) / (std + eps))
         if ZERO_POSITIVE_FOR_NEGATIVE:
             advantage = tl.where((reward < 0.0) & (advantage > 0.0), 0.0, advantage)
         tl.store(OUT + tl.load(ORDER + rows, mask=rows < end, other=0), advantage, mask=rows < end)

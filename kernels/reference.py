@@ -304,7 +304,9 @@ def group_advantages(rewards, group_ids, rollout_ids=None, *, eps=1e-6, unbiased
 
     Each group's mean and std are taken over the first row of each unique rollout id (plain GRPO when
     ``rollout_ids`` is None: every row is its own rollout). A group with one rollout gets mean 0, std 1.
-    Every row gets (reward - mean) / (std + eps).
+    Every row gets (reward - mean) / (std + eps), except in a group whose rollouts all scored alike (std <= eps),
+    where every row gets 0: its rollouts carry no signal, and a row whose own reward differs from the rollouts'
+    (agent RL's reward-to-go G_t beside the G_0 the statistics read) would otherwise get (G_t - mean) / eps.
     """
     rewards = rewards.float()
     rollout_ids = torch.arange(len(rewards)) if rollout_ids is None else rollout_ids
@@ -321,7 +323,7 @@ def group_advantages(rewards, group_ids, rollout_ids=None, *, eps=1e-6, unbiased
     out = torch.empty_like(rewards)
     for i in range(len(rewards)):
         mean, std = stats[int(group_ids[i])]
-        out[i] = (rewards[i] - mean) / (std + eps)
+        out[i] = 0.0 if std <= eps else (rewards[i] - mean) / (std + eps)
         if zero_positive_for_negative_reward and rewards[i] < 0 and out[i] > 0:
             out[i] = 0.0
     return out

@@ -76,3 +76,31 @@ def test_discounted_returns_triton_matches_reference_random():
     rewards = torch.randn(50, generator=generator)
     torch.testing.assert_close(discounted_returns(rewards, episode_ids, 0.8, impl="triton"),
                                ref.discounted_returns(rewards, episode_ids, 0.8), rtol=0, atol=1e-6)
+
+
+def test_turn_credits_by_hand():
+    """UserRL's multi-turn advantage: rollout A's turn rewards [0, 1] give credits [0.8, 1] (gamma 0.8) over 2 and 3
+    response tokens; B's are all 0. c_0 = 0.8 and 0: mean 0.4, unbiased std 0.4 * sqrt(2), so z_A = 1 / sqrt(2) and
+    z_B = -z_A; N_A = 5 credited tokens, S_A = 0.8 * 2 + 1 * 3 = 4.6; B's credits sum to 0, so B gets nothing."""
+    from megatron_mimesis.kernels import turn_credit_advantages
+
+    credits = torch.tensor([0.8, 1.0, 0.0, 0.0, 0.5])
+    out = turn_credit_advantages(credits, torch.tensor([0, 0, 0, 0, 1]), torch.tensor([5, 5, 9, 9, 3]),
+                                 torch.tensor([2, 3, 4, 1, 6]))
+    z = 0.4 / (0.4 * 2 ** 0.5 + 1e-6)
+    # a group of one rollout has mean 0 and std 1 (veRL's GRPO, FoldGRPO's here): z = c_0 = 0.5, N / S = 6 / 3
+    assert out.tolist() == pytest.approx([0.8 * z * 5 / 4.6, 1.0 * z * 5 / 4.6, 0.0, 0.0, 0.5 * 0.5 * 2], abs=1e-6)
+    # the mean advantage over A's credited tokens is its z-score
+    assert (out[0] * 2 + out[1] * 3) / 5 == pytest.approx(z, abs=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_group_whose_rollouts_scored_alike_gives_no_advantage(impl):
+    """Agent RL's rows carry their turn's reward-to-go beside the G_0 the group statistics read: two rollouts that both
+    succeeded at their second turn (rewards [0, 1], gamma 0.8) have G = [0.8, 1] each, so std(G_0) = 0; the second
+    rows would get (1 - 0.8) / eps = 2e5 without the rule. The other group keeps its advantages."""
+    rewards = torch.tensor([0.8, 1.0, 0.8, 1.0, 0.0, 1.0])
+    groups, rollouts = torch.tensor([0, 0, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 1, 2, 3])
+    out = foldgrpo_advantages(rewards, groups, rollouts, impl=impl)
+    assert out[:4].tolist() == [0.0] * 4
+    assert out[4:].tolist() == pytest.approx([-(2 ** -0.5), 2 ** -0.5], abs=1e-5)
