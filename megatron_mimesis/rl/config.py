@@ -46,6 +46,10 @@ class RLConfig(TrainConfig):
     clip_eps_high: float = 0.2
     dual_clip_c: float | None = None
     max_tokens_per_microbatch: int = 32768
+    # optimizer steps per rollout batch: the batch is cut by group into that many mini-batches (PPO's), each an
+    # optimizer step against the rollouts' old log-probs, so that from the second on the clip acts. 1 (the default)
+    # makes a batch one on-policy step; the paper's agent scripts take 8 (mini-batches of 8 of 64 tasks)
+    optimizer_steps_per_batch: int = 1
     min_valid_rollouts: int = 2  # a group with fewer scored rollouts contributes no gradient (counted)
     # KL to a frozen reference model (off, as in the paper): kl_coef * k3 KL(policy || reference) per token;
     # kl_reference is its weights, an HF directory or a dist checkpoint directory (weights only are read)
@@ -77,6 +81,7 @@ class RLConfig(TrainConfig):
         "clip_eps_high": NON_NEGATIVE,
         "dual_clip_c": Range(1, low_open=True),
         "max_tokens_per_microbatch": AT_LEAST_1,
+        "optimizer_steps_per_batch": AT_LEAST_1,
         "min_valid_rollouts": Range(2),
         "kl_coef": NON_NEGATIVE,
         "rollout_correction_cap": Range(1, low_open=True),  # the band [1/cap, cap] must contain 1
@@ -85,6 +90,9 @@ class RLConfig(TrainConfig):
 
     def validate_rl(self, world_size: int) -> None:
         self.validate_model_and_optimizer(world_size)
+        if self.groups_per_step % self.optimizer_steps_per_batch:
+            raise ConfigError(f"optimizer_steps_per_batch {self.optimizer_steps_per_batch} does not divide the "
+                              f"{self.groups_per_step} groups of a step: its mini-batches split the batch by group")
         if not self.tokenizer or not (Path(self.tokenizer) / "tokenizer.json").exists():
             raise ConfigError(f"tokenizer: {self.tokenizer!r} is not an HF tokenizer directory (tokenizer.json)")
         if self.kl_coef and not (self.kl_reference and Path(self.kl_reference).exists()):

@@ -137,18 +137,22 @@ class RLLoop:
             return rows
         return recompute_old_logprobs(self.trainer.model, rows, self.config.max_tokens_per_microbatch, self.device)
 
-    def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None) -> tuple[dict, list]:
+    def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None,
+                          advantages=None) -> tuple[dict, list]:
         """Gather every data-parallel rank's rows (as tensors: ``update/rows.py``) and rollout summaries
         (``{"group_id", "reward", ...}``), drop groups with fewer than ``min_valid_rollouts`` scored rollouts
         (counted), compute advantages over unique rollouts, weigh the tokens for the engine they were sampled from
-        (rollout correction, with the mismatch metrics over all rows), take one optimizer step and refresh the
-        engine. ``teacher``: per-row teacher log-probs (CSD). ``rows`` come from :meth:`on_policy_rows`; with a KL
-        term each rank first scores its own rows under the reference. Returns the update's record and all ranks'
-        summaries.
+        (rollout correction, with the mismatch metrics over all rows), take ``optimizer_steps_per_batch`` optimizer
+        steps and refresh the engine. ``teacher``: per-row teacher log-probs (CSD). ``rows`` come from
+        :meth:`on_policy_rows`; with a KL term each rank first scores its own rows under the reference.
+        ``advantages(rows)``: one advantage per kept row (default: FoldGRPO's over the rows' rewards). Returns the
+        update's record and all ranks' summaries.
 
         The advantages come from the rewards of every kept rollout before any weighting: a token or row the
-        correction masks still counts in its group's statistics (FoldGRPO's mean and std over unique rollouts)."""
-        from megatron_mimesis.kernels import foldgrpo_advantages
+        correction masks still counts in its group's statistics (FoldGRPO's mean and std over unique rollouts).
+        Several optimizer steps split the batch by group into that many mini-batches (PPO's, as veRL takes them),
+        every step against the old log-probs of the rollouts, so from the second step on the clip acts; the
+        learning-rate schedule advances once per batch."""
         from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.policy_step import policy_update
         from megatron_mimesis.rl.update.rollout_correction import rollout_weights
@@ -180,15 +184,21 @@ class RLLoop:
             record["update_applied"] = False
             return record, summaries
         kept = step.select(keep)
-        advantages = foldgrpo_advantages(kept.rewards.float(), kept.group_ids, kept.rollout_ids, impl="torch")
+        kept_advantages = (advantages or foldgrpo)(kept)
         start = time.perf_counter()
-        record.update(policy_update(self.trainer.model, self.trainer.optimizer, self.trainer.scheduler, kept,
-                                    advantages, loss_config, c.max_tokens_per_microbatch, self.device))
+        results = []
+        for part in minibatch_groups(kept.group_ids, c.optimizer_steps_per_batch):
+            results.append(policy_update(self.trainer.model, self.trainer.optimizer, kept.select(part),
+                                         kept_advantages[part], loss_config, c.max_tokens_per_microbatch,
+                                         self.device))
+        if any(r["update_applied"] for r in results):
+            self.trainer.scheduler.step(increment=1)
+        record.update(merged_steps(results))
         record["train_time_s"] = time.perf_counter() - start
         start = time.perf_counter()
         refresh_engine(self.engine, self.trainer)
         record["weight_sync_time_s"] = time.perf_counter() - start
-        record["advantage_abs_mean"] = advantages.abs().double().mean().item()
+        record["advantage_abs_mean"] = kept_advantages.abs().double().mean().item()
         return record, summaries
 
     def run(self) -> int:
@@ -260,6 +270,37 @@ class RLLoop:
             save_final(c, progress["iteration"], save)
         self.trainer.end_run(self.log, stop, exit_signal, progress["iteration"])
         return 0
+
+
+def foldgrpo(rows) -> torch.Tensor:
+    """FoldGRPO's advantages: each row's reward against its group's statistics over unique rollouts."""
+    from megatron_mimesis.kernels import foldgrpo_advantages
+
+    return foldgrpo_advantages(rows.rewards.float(), rows.group_ids, rows.rollout_ids, impl="torch")
+
+
+def minibatch_groups(group_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Row masks of ``steps`` mini-batches: the groups in order of id, cut into ``steps`` runs whose sizes differ by
+    at most one (fewer when there are fewer groups), every row with its group."""
+    groups = torch.unique(group_ids)
+    return [torch.isin(group_ids, part) for part in torch.tensor_split(groups, min(steps, len(groups)))]
+
+
+def merged_steps(results: list[dict]) -> dict:
+    """The record of a batch's optimizer steps: one step's own; for several, each metric's mean over the steps (the
+    clip fractions per step too), the micro-batches summed, applied when every step was."""
+    if len(results) == 1:
+        return results[0]
+    record = {"optimizer_steps": len(results), "update_applied": all(r["update_applied"] for r in results),
+              "microbatches": sum(r["microbatches"] for r in results), "lr": results[0]["lr"]}
+    for name in results[0]:
+        if name not in record:
+            values = [r[name] for r in results if r.get(name) is not None]
+            record[name] = sum(values) / len(values) if values else None
+    for name in ("clip_frac_low", "clip_frac_high", "approx_kl"):
+        if name in results[0]:
+            record[f"{name}_per_step"] = [r.get(name) for r in results]
+    return record
 
 
 def mean(values):

@@ -34,6 +34,10 @@ class SimulatorRLConfig(RLConfig):
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.rollouts_per_prompt
 
+    @property
+    def groups_per_step(self) -> int:
+        return self.prompts_per_step
+
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
         if not self.prompts:

@@ -101,11 +101,12 @@ def _forward_step(loss_config, weighted, data_iterator, model):
     return output, loss_func
 
 
-def policy_update(model_chunks, optimizer, scheduler, rows: StepRows, advantages: torch.Tensor,
-                  loss_config: PolicyLossConfig, max_tokens_per_microbatch: int, device) -> dict:
+def policy_update(model_chunks, optimizer, rows: StepRows, advantages: torch.Tensor, loss_config: PolicyLossConfig,
+                  max_tokens_per_microbatch: int, device) -> dict:
     """One optimizer step on ``rows`` (every data-parallel rank's, :meth:`StepRows.gathered`) with one advantage
     each; collective over all ranks, which must pass identical rows. With a ``rollout_weights`` field the loss weighs
-    each token by it. Returns the step's token-mean loss and metrics (on every rank) and the optimizer's grad norm."""
+    each token by it. Returns the step's token-mean loss and metrics (on every rank) and the optimizer's grad norm.
+    The learning-rate schedule is the caller's: it counts rollout batches, which may take several steps each."""
     weighted = "rollout_weights" in rows.response
     plan = plan_microbatches(rows.lengths.tolist(), parallel_state.get_data_parallel_world_size(),
                              max_tokens_per_microbatch)
@@ -129,8 +130,6 @@ def policy_update(model_chunks, optimizer, scheduler, rows: StepRows, advantages
     reduced = _reduce(losses, device)
     lr = optimizer.param_groups[0]["lr"]
     ok, grad_norm, _ = optimizer.step()
-    if ok:
-        scheduler.step(increment=1)
     return {**reduced, "lr": lr, "grad_norm": grad_norm, "update_applied": bool(ok), "microbatches": len(mine)}
 
 

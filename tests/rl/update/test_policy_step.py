@@ -98,7 +98,6 @@ def _update_in_layout(rank, world_size, tp, sp, hf_state, rows, advantages, weig
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_mimesis.compat import enable_cpu_compat
@@ -116,12 +115,11 @@ def _update_in_layout(rank, world_size, tp, sp, hf_state, rows, advantages, weig
         grad_reduce_in_fp32=True), module=module)
     config.finalize_model_grads_func = finalize_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.0, clip_grad=0.0), [model])
-    scheduler = OptimizerParamScheduler(optimizer, 0.0, 0.0, 0.0, 0, 10, "constant", 0.0, 0.0, 10, "constant")
     step = StepRows.of_rows(rows)
     if weights is not None:
         step = step.with_response("rollout_weights", torch.tensor([w for row in weights for w in row],
                                                                   dtype=torch.float64))
-    result = policy_update([model], optimizer, scheduler, step, torch.tensor(advantages),
+    result = policy_update([model], optimizer, step, torch.tensor(advantages),
                            PolicyLossConfig(clip_eps_low=EPS, clip_eps_high=EPS), max_tokens_per_microbatch=24,
                            device=torch.device("cpu"))
     grads = gather_hf_tensors(module, PRESET, provider.padded_vocab_size, grads=True)

@@ -51,3 +51,22 @@ def test_selecting_rows_keeps_their_tokens_and_values_together():
     assert kept.response["old_logprobs"].tolist() == pytest.approx([-0.1, -0.2, -0.3, -2.1, -2.2])
     assert kept.response["engine_logprobs"].tolist() == pytest.approx([-0.1, -0.2, -0.3, -2.11, -2.21])
     assert kept.response_row_index().tolist() == [0, 0, 0, 1, 1]
+
+
+def test_one_optimizer_step_takes_the_batch_as_it_is_and_several_split_it_by_group():
+    """One step per batch: one mini-batch of every row in order, whose record is that step's own, so the update is
+    the one-step update of before mini-batches. Four: the groups cut into runs of (near) equal size."""
+    from megatron_mimesis.rl.loop import merged_steps, minibatch_groups
+
+    group_ids = torch.tensor([3, 3, 0, 1, 1, 2, 4, 0])
+    (everything,) = minibatch_groups(group_ids, 1)
+    assert everything.all()
+    parts = minibatch_groups(group_ids, 4)
+    assert [group_ids[p].tolist() for p in parts] == [[0, 1, 1, 0], [2], [3, 3], [4]]  # groups 0-1, 2, 3, 4, rows in order
+    assert len(minibatch_groups(torch.tensor([5, 5]), 8)) == 1  # never more steps than groups
+    step = {"pg_loss": 0.5, "grad_norm": 2.0, "update_applied": True, "microbatches": 3, "lr": 1e-3,
+            "clip_frac_high": 0.0}
+    assert merged_steps([step]) is step
+    merged = merged_steps([step, {**step, "pg_loss": 1.5, "clip_frac_high": 0.2, "update_applied": False}])
+    assert merged["pg_loss"] == 1.0 and merged["clip_frac_high_per_step"] == [0.0, 0.2]
+    assert merged["microbatches"] == 6 and merged["update_applied"] is False and merged["optimizer_steps"] == 2
