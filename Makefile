@@ -10,13 +10,27 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+# UserRL's gyms and tau-bench v1 (which TauGym imports) are on no package registry: when their source trees are
+# beside the checkout (THIRD_PARTY), each venv gets them from a copy inside the venv, installed editable so that their
+# data files come along (the trees themselves stay untouched); their own dependencies come with the [userrl] extra
+# (in .venv-vllm, from constraints-vllm.txt).
+THIRD_PARTY ?= ../shared/third_party
+USERRL_GYMS := FunctionGym TelepathyGym TurtleGym IntentionGym TauGym SearchGym TravelGym PersuadeGym
+install_third_party = if [ -d $(THIRD_PARTY)/UserRL/gyms ]; then \
+	mkdir -p $(1)/third_party && cp -r $(THIRD_PARTY)/tau-bench $(addprefix $(THIRD_PARTY)/UserRL/gyms/,$(USERRL_GYMS)) \
+		$(1)/third_party/ && chmod -R u+w $(1)/third_party && \
+	$(1)/bin/python -m pip install -q --no-deps -e $(1)/third_party/tau-bench \
+		$(addprefix -e $(1)/third_party/,$(USERRL_GYMS)); \
+	else echo "note: no $(THIRD_PARTY)/UserRL: UserRL's gyms not installed (their tests skip)"; fi
+
 .PHONY: venv venv-vllm test test-fast demo lint bench bench-engines
 
 $(STAMP): setup.py constraints.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,envs]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,envs,userrl]"
+	$(call install_third_party,$(VENV))
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,6 +43,7 @@ $(VLLM_STAMP): setup.py constraints-vllm.txt
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q --no-deps -r constraints-vllm.txt
 	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(call install_third_party,$(VLLM_VENV))
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)

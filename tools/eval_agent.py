@@ -14,8 +14,16 @@ A pair's score is the mean episode reward (the sum of the agent turns' rewards; 
 over the episodes that could be scored. An episode whose user model or agent request failed, or that the env
 could not score, is left out and counted in the report: scoring it 0 would blame the agent for an outage.
 
+With ``--env userrl`` (UserRL's gyms, ``--env-options '{"gyms": {"FunctionGym": {}, "TelepathyGym": {}}}'``) the
+gyms call their user themselves, so each ``--user`` is the endpoint of a served user model (``openai:URL@MODEL``),
+which every gym of the pair calls through a per-episode proxy; the pairs are scored as the MIMESIS paper scores the
+gyms: an episode by the sum of its turns' rewards (TravelGym's by its best turn), a task by the best of its
+``--trials``, a pair by the mean over its tasks (the task-weighted average over gyms), and each gym on its own.
+
 Writes results.json, table.csv, table.md, scores.png and episodes.jsonl (every episode's public transcript and
-rewards) to DIR. Exit status 0 on success, 2 with a one-line reason on bad input.
+rewards) to DIR, and for a suite of several domains (gyms) domains.md and domains.csv: one row per agent x user,
+one column per domain and their task-weighted average. Exit status 0 on success, 2 with a one-line reason on bad
+input.
 """
 
 import argparse
@@ -46,6 +54,7 @@ from megatron_mimesis.eval.agents import (
     tokenizer_dir,
 )
 from megatron_mimesis.rl.envs import ENVS, build_suite
+from megatron_mimesis.rl.envs.base import owns_user
 
 
 # --------------------------------------------------------------------------- the table
@@ -90,6 +99,27 @@ def table_markdown(rows: list[dict], users: list[str], pairs: list[dict]) -> str
              f"unscored ({', '.join(f'{k}: {v}' for k, v in sorted(p['failures'].items()))})"
              for p in pairs if p["n_scored"] < p["n_episodes"]]
     return "\n".join(lines + (["", "Left out of the scores:", *notes] if notes else [])) + "\n"
+
+
+def domains_markdown(pairs: list[dict]) -> str:
+    """Agent x user rows, a column per domain (gym) and the pair's task-weighted average."""
+    domains = sorted({d for p in pairs for d in p["domain_scores"]})
+    header = ["Agent", "User", *domains, "Average"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|"]
+    for p in pairs:
+        cells = [p["agent"], p["user"], *(_cell(p["domain_scores"].get(d), 3) for d in domains), _cell(p["score"], 3)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_domains_csv(path: Path, pairs: list[dict]) -> None:
+    domains = sorted({d for p in pairs for d in p["domain_scores"]})
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["agent", "user", *domains, "average"])
+        for p in pairs:
+            values = [*(p["domain_scores"].get(d) for d in domains), p["score"]]
+            writer.writerow([p["agent"], p["user"], *("" if v is None else f"{v:.6g}" for v in values)])
 
 
 def write_table_csv(path: Path, rows: list[dict], users: list[str]) -> None:
@@ -138,7 +168,9 @@ def parse_args(argv):
     parser.add_argument("--env", required=True, choices=ENVS)
     parser.add_argument("--env-options", default="{}", metavar="JSON", help='suite options as JSON, e.g. \'{"domain": "retail"}\'')
     parser.add_argument("--split", default="test", help="task split (default: test, the held-out tasks)")
-    parser.add_argument("--tasks", type=int, metavar="N", help="evaluate the first N tasks of the split (default: all)")
+    parser.add_argument("--tasks", type=int, metavar="N",
+                        help="evaluate the first N tasks of the split, of each domain (gym) where it has several "
+                             "(default: all)")
     parser.add_argument("--trials", type=int, default=1, metavar="K", help="episodes per task and pair (scores average them)")
     parser.add_argument("--max-agent-turns", type=int, default=30, help="agent generations per episode")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="per agent generation")
@@ -180,21 +212,29 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
         task_ids = suite.task_ids(args.split)
     except TypeError as err:
         raise EvalError(f"--env-options do not fit the {args.env} env: {err}") from None
-    except (KeyError, ValueError) as err:
+    except (KeyError, ValueError) as err:  # userrl's UserRLError is a ValueError
         raise EvalError(str(err.args[0] if err.args else err)) from None
     if not task_ids:
         raise EvalError(f"split {args.split!r} of {suite.name} has no tasks")
     if args.tasks is not None:
-        if args.tasks > len(task_ids):
-            raise EvalError(f"--tasks {args.tasks}: split {args.split!r} of {suite.name} has {len(task_ids)} tasks")
-        task_ids = task_ids[:args.tasks]
+        by_domain = {d: ids for d, (ids, _) in suite.mixture(args.split).items()}
+        short = {d: len(ids) for d, ids in by_domain.items() if len(ids) < args.tasks}
+        if short:
+            raise EvalError(f"--tasks {args.tasks}: split {args.split!r} of {suite.name} has "
+                            f"{', '.join(f'{n} tasks in {d}' for d, n in short.items())}")
+        task_ids = [t for ids in by_domain.values() for t in ids[:args.tasks]]
+    if owns_user(suite):
+        wrong = [u.name for u in users if u.kind != "openai"]
+        if wrong:
+            raise EvalError(f"--user {', '.join(wrong)}: {suite.name}'s envs call their user themselves, so a user is "
+                            f"an endpoint (openai:BASE_URL@MODEL, e.g. vllm serve of the simulator)")
     prepare_output(args.output, args.overwrite)
     return agents, users, suite, task_ids
 
 
 def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[str]) -> list[dict]:
     user_models = {spec.name: build_user(spec, args.user_max_new_tokens, args.user_temperature, args.request_timeout,
-                                         args.concurrency, args.seed) for spec in users}
+                                         args.concurrency, args.seed, suite) for spec in users}
     settings = EpisodeSettings(args.max_agent_turns, args.max_new_tokens, args.temperature, args.agent_thinking,
                                args.trials, args.seed)
     episodes_per_pair = len(task_ids) * args.trials
@@ -207,9 +247,9 @@ def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[
             for user in users:
                 bar.set_postfix_str(f"{agent.name} x {user.name}")
                 episodes = run_pair(player, user_models[user.name], suite, task_ids, settings)
-                pair = score_pair(agent.name, user.name, episodes, task_ids)
+                pair = score_pair(agent.name, user.name, episodes, task_ids, suite)
                 pairs.append(pair)
-                for record in episode_records(agent.name, user.name, episodes):
+                for record in episode_records(agent.name, user.name, episodes, suite):
                     log.write(json.dumps(record, default=_json_default) + "\n")
                 log.flush()
                 bar.update(len(episodes))
@@ -235,6 +275,11 @@ def write_outputs(args, agents: list[Spec], users: list[Spec], suite, task_ids: 
     markdown = table_markdown(rows, user_names, pairs)
     (args.output / "table.md").write_text(markdown)
     plot_scores(args.output / "scores.png", rows, user_names)
+    if len({d for p in pairs for d in p["domain_scores"]}) > 1:
+        domains = domains_markdown(pairs)
+        (args.output / "domains.md").write_text(domains)
+        write_domains_csv(args.output / "domains.csv", pairs)
+        markdown += "\n" + domains
     return markdown
 
 

@@ -109,7 +109,9 @@ def parse_args(argv):
     calib.add_argument("--agent", metavar="SPEC", help="the agent: hf:DIR or openai:URL@MODEL")
     calib.add_argument("--agent-tokenizer", metavar="DIR", help="tokenizer of an openai agent (default: its MODEL "
                                                                 "when that is a directory)")
-    calib.add_argument("--env", choices=ENVS, help="the environment the tasks come from")
+    calib.add_argument("--env", choices=[e for e in ENVS if e != "userrl"],
+                       help="the environment the tasks come from (one whose user the runner plays: UserRL's gyms call "
+                            "theirs themselves)")
     calib.add_argument("--env-options", default="{}", metavar="JSON")
     calib.add_argument("--env-split", default="test", help="task split holding the outcome tasks")
     calib.add_argument("--success-reward", type=float, default=1.0,

@@ -7,6 +7,11 @@ and the episode runner of agent RL, so an agent is evaluated the way it is train
 
 A pair's episode is scored when it ran to the end; an episode whose user model or agent request failed, or that
 the env could not score, is left out and counted by reason: scoring it 0 would blame the agent for an outage.
+
+An episode's score is the suite's (the sum of its turn rewards; a UserRL TravelGym episode its best turn's), and a
+task's the mean of its trials' or, where the suite scores best of k (UserRL's gyms, as the MIMESIS paper does), their
+maximum; a pair's score is the mean over its tasks, and per domain (each gym) over the domain's tasks. For a suite
+whose envs own their user, the user model is the endpoint the envs call (``openai:`` users only).
 """
 
 import json
@@ -22,6 +27,7 @@ from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserMod
 from megatron_mimesis.rl.chat import ChatRenderer
 from megatron_mimesis.rl.engines.hf import HFEngine
 from megatron_mimesis.rl.engines.openai import OpenAICompletionsEngine
+from megatron_mimesis.rl.envs.base import owns_user
 from megatron_mimesis.rl.envs.toy import toy_user
 from megatron_mimesis.rl.types import SamplingParams
 
@@ -129,7 +135,11 @@ def build_agent(spec: Spec, seed: int, request_timeout: float, concurrency: int)
 
 
 def build_user(spec: Spec, max_new_tokens: int, temperature: float, request_timeout: float, concurrency: int,
-               seed: int):
+               seed: int, suite=None):
+    """The user model of a pair; for a suite whose envs own their user, its endpoint's spec (``run_pair`` connects the
+    suite to it: the envs call it with their own prompts and sampling)."""
+    if suite is not None and owns_user(suite):
+        return spec
     if spec.kind == "scripted":
         return toy_user()
     if spec.kind == "openai":
@@ -155,28 +165,48 @@ class EpisodeSettings:
 
 # --------------------------------------------------------------------------- one agent x user pair
 def run_pair(agent: Agent, user_model, suite, task_ids: list[str], settings: EpisodeSettings):
+    """``user_model``: a user model, or for a suite whose envs own their user the endpoint's ``Spec``."""
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature)
     chat = agent_chat(agent.chat_format, agent.tokenizer, thinking=settings.agent_thinking)
+    if owns_user(suite):
+        suite.connect(user_model.target, user_model.model)
+        user_model = None
     runner = AgentEpisodeRunner(agent.engine, chat, user_model, sampling, settings.max_agent_turns)
     return runner.run(suite, task_ids, rollouts_per_task=settings.trials, step_seed=settings.seed)
 
 
-def score_pair(agent: str, user: str, episodes: list, task_ids: list[str]) -> dict:
-    """Score the episodes that ran to the end; the rest are counted by reason and kept out of the mean."""
+def score_pair(agent: str, user: str, episodes: list, task_ids: list[str], suite) -> dict:
+    """Score the episodes that ran to the end; the rest are counted by reason and kept out of the scores."""
     failures = score_episodes(episodes)
     rewards = {task_id: [] for task_id in task_ids}
     for episode in episodes:  # an episode left out of scoring has no turn rewards, hence reward None
-        rewards[episode.task.task_id].append(episode_reward(episode))
+        rewards[episode.task.task_id].append(episode_reward(episode, suite))
     scored = [r for task in rewards.values() for r in task if r is not None]
-    return {"agent": agent, "user": user, "score": sum(scored) / len(scored) if scored else None,
+    domains = {}
+    for task_id in task_ids:
+        domains.setdefault(suite.domain_of(task_id), []).append(task_id)
+    return {"agent": agent, "user": user, "score": pair_score(rewards, task_ids, suite.trial_score),
+            "domain_scores": {d: pair_score(rewards, ids, suite.trial_score) for d, ids in sorted(domains.items())},
             "n_episodes": len(episodes), "n_scored": len(scored), "failures": failures, "task_rewards": rewards}
 
 
-def episode_reward(episode) -> float | None:
-    return None if episode.turn_rewards is None else float(sum(episode.turn_rewards))
+def pair_score(rewards: dict[str, list], task_ids: list[str], trial_score: str) -> float | None:
+    """Over ``task_ids``: the mean of their scored episodes ("mean"), or of each task's best scored trial ("max")."""
+    scored = [[r for r in rewards[t] if r is not None] for t in task_ids]
+    if trial_score == "max":
+        best = [max(task) for task in scored if task]
+        return sum(best) / len(best) if best else None
+    flat = [r for task in scored for r in task]
+    return sum(flat) / len(flat) if flat else None
 
 
-def episode_records(agent: str, user: str, episodes: list) -> list[dict]:
+def episode_reward(episode, suite) -> float | None:
+    if episode.turn_rewards is None:
+        return None
+    return float(suite.episode_score(suite.domain_of(episode.task.task_id), episode.turn_rewards))
+
+
+def episode_records(agent: str, user: str, episodes: list, suite) -> list[dict]:
     trials: dict[str, int] = {}
     records = []
     for episode in episodes:
@@ -187,7 +217,7 @@ def episode_records(agent: str, user: str, episodes: list) -> list[dict]:
                   else "scored")
         records.append({
             "agent": agent, "user": user, "task_id": task_id, "trial": trials[task_id] - 1, "status": status,
-            "termination": episode.termination, "reward": episode_reward(episode),
+            "termination": episode.termination, "reward": episode_reward(episode, suite),
             "turn_rewards": episode.turn_rewards, "agent_finish_reasons": [t.finish_reason for t in episode.turns],
             "unparsed_tool_calls": episode.unparsed_tool_calls,
             "score_info": episode.score_info, "messages": episode.messages,

@@ -181,6 +181,6 @@ def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, suc
     if progress:
         tqdm.write(f"{row.name}: {len(task_ids) * settings.trials} agent episodes")
     episodes = run_pair(agent, simulator.user_model(), suite, task_ids, settings)
-    pair = score_pair("agent", row.name, episodes, task_ids)
+    pair = score_pair("agent", row.name, episodes, task_ids, suite)
     row.calibration = {**calibration_row(pair, real, success_reward), "failures": pair["failures"]}
-    return episode_records("agent", row.name, episodes)
+    return episode_records("agent", row.name, episodes, suite)

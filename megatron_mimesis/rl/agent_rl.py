@@ -17,48 +17,16 @@ Coach failures drop that turn's CSD term (counted); env scoring failures leave t
 """
 
 import json
-import random
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 from megatron_mimesis.rl.agent.config import AgentRLConfig
+from megatron_mimesis.rl.agent.tasks import TaskSampler
 from megatron_mimesis.rl.envs import build_suite
+from megatron_mimesis.rl.envs.base import owns_user
 from megatron_mimesis.rl.loop import RLLoop, mean, on_group_leader, rl_main, std
-from megatron_mimesis.training.config import ConfigError
-
-
-class TaskSampler:
-    """The train split in seeded epochs (a fresh shuffle each); resumable from (epoch, position)."""
-
-    def __init__(self, task_ids: list[str], seed: int):
-        if not task_ids:
-            raise ConfigError("the environment's train split has no tasks")
-        self.task_ids, self.seed = sorted(task_ids), seed
-        self.epoch, self.position = 0, 0
-
-    def _order(self) -> list[str]:
-        order = list(self.task_ids)
-        random.Random(self.seed * 100003 + self.epoch).shuffle(order)
-        return order
-
-    def sample(self, n: int) -> list[str]:
-        out = []
-        while len(out) < n:
-            order = self._order()
-            take = order[self.position:self.position + n - len(out)]
-            out += take
-            self.position += len(take)
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
 
 
 class _LeaderUserModel:
@@ -80,10 +48,14 @@ class AgentRL(RLLoop):
         super().__init__(config)
         c = config
         self.suite = build_suite(c.env, c.env_options)
-        self.sampler = TaskSampler(self.suite.task_ids(c.train_split), c.seed)
+        self.sampler = TaskSampler(self.suite.mixture(c.train_split), c.seed)
         self.chat = agent_chat(c.preset.family.chat, self.tokenizer, thinking=c.thinking)
         self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p)
-        self.runner = AgentEpisodeRunner(self.engine, self.chat, self._user_model(), self.sampling, c.max_agent_turns)
+        if owns_user(self.suite):  # its gyms call the served simulator themselves, from the group's first rank
+            self.suite.connect(**c.user_model_options)
+        user_model = None if owns_user(self.suite) else self._user_model()
+        self.runner = AgentEpisodeRunner(self.engine, self.chat, user_model, self.sampling, c.max_agent_turns,
+                                         on_leader=lambda fn: on_group_leader(fn, self.mp_group))
         self.coach = self._coach() if c.csd_alpha else None
         self.coach_template = None
         if self.coach is not None:
@@ -111,6 +83,15 @@ class AgentRL(RLLoop):
         sampling = SamplingParams(max_new_tokens=options.get("max_new_tokens", 512),
                                   temperature=options.get("temperature", 1.0))
         return EngineUserModel(engine, ChatRenderer(self.tokenizer, thinking=options.get("thinking", True)), sampling)
+
+    def _advantages(self):
+        """The update's advantages: FoldGRPO's (None, the loop's default), or UserRL's turn credits."""
+        if self.config.advantage == "foldgrpo":
+            return None
+        from megatron_mimesis.kernels import turn_credit_advantages
+
+        return lambda rows: turn_credit_advantages(rows.rewards.float(), rows.group_ids, rows.rollout_ids,
+                                                   rows.response_lengths)
 
     def _coach(self):
         from megatron_mimesis.rl.agent.csd import EngineCoach, OpenAICoach, ScriptedCoach
@@ -220,10 +201,10 @@ class AgentRL(RLLoop):
             record["teacher_time_s"] = time.perf_counter() - start
             self.stop_point("teacher")
         update, summaries = self.gather_and_update(
-            [row for row, _, _ in rows], [_summary(e) for e in episodes],
-            self.loss_config(csd_alpha=c.csd_alpha, csd_beta=c.csd_beta), teacher)
+            [row for row, _, _ in rows], [_summary(e, self.suite) for e in episodes],
+            self.loss_config(csd_alpha=c.csd_alpha, csd_beta=c.csd_beta), teacher, self._advantages())
         record.update(update)
-        record.update(_rollout_metrics(summaries))
+        record.update(_rollout_metrics(summaries, self.suite.name))
         # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)
         record["rollout_tokens_per_s"] = sum(s["response_tokens"] for s in summaries) / self.dp_size / rollout_time
         if teacher is not None:
@@ -231,18 +212,39 @@ class AgentRL(RLLoop):
         return record
 
 
-def _summary(episode) -> dict:
+def _summary(episode, suite) -> dict:
     scored = episode.turn_rewards is not None
     return {"group_id": episode.group_id, "rollout_id": episode.rollout_id,
             "reward": sum(episode.turn_rewards) if scored else None,
+            "domain": suite.domain_of(episode.task.task_id), "success": episode.score_info.get("success"),
+            "user_requests": episode.score_info.get("user_requests"),
             "termination": episode.termination.split(":")[0], "turns": len(episode.turns),
             "tool_calls": sum(len(m.get("tool_calls", [])) for m in episode.messages),
             "unparsed_tool_calls": episode.unparsed_tool_calls,
             "response_tokens": sum(len(t.response_ids) for t in episode.turns)}
 
 
-def _rollout_metrics(summaries) -> dict:
+def _rollout_metrics(summaries, suite_name: str) -> dict:
+    """The step's rollouts; a suite of several domains (a mixture of gyms) also each domain's, by name."""
+    record = _domain_metrics(summaries)
+    for reason, count in Counter(s["termination"] for s in summaries).items():
+        record[f"termination/{reason}"] = count
+    requests = [s["user_requests"] for s in summaries if s["user_requests"] is not None]
+    if requests:
+        record["user_requests"] = sum(requests)
+    for domain in sorted({s["domain"] for s in summaries} - {suite_name}):
+        for name, value in _domain_metrics([s for s in summaries if s["domain"] == domain]).items():
+            if name in DOMAIN_METRICS:
+                record[f"{domain}/{name}"] = value
+    return record
+
+
+DOMAIN_METRICS = ("rollouts", "reward_mean", "success_rate", "turns_mean", "errors")
+
+
+def _domain_metrics(summaries) -> dict:
     scored = [s for s in summaries if s["reward"] is not None]
+    successes = [s["success"] for s in scored if s["success"] is not None]
     record = {
         "rollouts": len(summaries), "scored_rollouts": len(scored),
         "reward_mean": mean([s["reward"] for s in scored]), "reward_std": std([s["reward"] for s in scored]),
@@ -250,9 +252,10 @@ def _rollout_metrics(summaries) -> dict:
         "tool_calls_mean": mean([s["tool_calls"] for s in summaries]),
         "unparsed_tool_calls": sum(s["unparsed_tool_calls"] for s in summaries),
         "response_tokens_per_turn": mean([s["response_tokens"] / max(s["turns"], 1) for s in summaries]),
+        "errors": sum(s["termination"] == "error" for s in summaries),
     }
-    for reason, count in Counter(s["termination"] for s in summaries).items():
-        record[f"termination/{reason}"] = count
+    if successes:
+        record["success_rate"] = mean([float(x) for x in successes])
     return record
 
 

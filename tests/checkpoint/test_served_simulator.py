@@ -23,6 +23,8 @@ from transformers import AutoTokenizer
 from data_prep.tokenizer import ENDOFTEXT, TextEncoder
 from megatron_mimesis.rl.agent.user_models import OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer, flip_roles
+from tests.exports import export as export_checkpoint
+from tests.exports import tiny_simulator
 from tests.models.harness import REPO
 from tests.rendering import prompt_of_last_turn
 from tests.training.conftest import VOCAB
@@ -41,16 +43,7 @@ TURNS = [{"role": "system", "content": INSTRUCTIONS},
 
 @pytest.fixture(scope="module")
 def export(tiny_hf_checkpoint, tiny_dataset, tmp_path_factory):
-    """The tiny model as a user would get it: imported to a dist checkpoint, then exported by the CLI."""
-    from megatron_mimesis.checkpoint.conversion import import_from_hf
-
-    work = tmp_path_factory.mktemp("served")
-    import_from_hf(tiny_hf_checkpoint, work / "mcore")
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", "--load", str(work / "mcore"),
-                           "--out", str(work / "export"), "--tokenizer", str(tiny_dataset / "tokenizer")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return work / "export"
+    return tiny_simulator(tiny_hf_checkpoint, tiny_dataset, tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +182,7 @@ def leaving_export(tiny_dataset, tmp_path_factory):
                           cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", "--load", str(work / "mcore"),
-                           "--out", str(work / "export"), "--tokenizer", str(tiny_dataset / "tokenizer")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return work / "export"
+    return export_checkpoint(work / "mcore", work / "export", tiny_dataset / "tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 as the frozen simulator, a scripted coach; CSD changes the update and its gate statistics are logged."""
 
 import json
+import re
 
 import pytest
 
@@ -95,6 +96,31 @@ def test_agent_config_is_validated_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match="gamma must be in"):
         config.replace(csd_alpha=0.0, gamma=1.5).validate(1)
     config.replace(csd_alpha=0.0).validate(1)
+    for changes, message in (
+            ({"optimizer_steps_per_batch": 3, "tasks_per_step": 4},
+             "optimizer_steps_per_batch 3 does not divide the 4 groups of a step"),
+            ({"advantage": "gae"}, "advantage must be one of ('foldgrpo', 'turn_credit')")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config.replace(csd_alpha=0.0, **changes).validate(1)
+
+
+def test_userrl_configs_are_refused_in_one_line_before_anything_starts(tmp_path):
+    pytest.importorskip("functiongym", reason="UserRL's gyms: make venv installs them from ../shared/third_party")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    endpoint = {"base_url": "http://127.0.0.1:9/v1", "model": "sim"}
+    config = AgentRLConfig(tokenizer=str(tmp_path), env="userrl", env_options={"gyms": {"FunctionGym": {}}},
+                           user_model="openai", user_model_options=endpoint, coach="none", csd_alpha=0.0)
+    config.validate(1)
+    for changes, message in (
+            ({"user_model": "scripted"}, "env=userrl: the gyms call their user themselves, an OpenAI-compatible "
+                                         "endpoint: user_model must be openai"),
+            ({"user_model_options": {**endpoint, "temperature": 0.5}},
+             "user_model_options: ['temperature'] do not apply to env=userrl"),
+            ({"env_options": {"gyms": {"ChessGym": {}}}}, "env_options: env_options.gyms: ['ChessGym'] are not gyms"),
+            ({"env_options": {"gyms": {"FunctionGym": {}}, "colour": 1}}, "env_options do not fit the userrl env"),
+            ({"env_options": {"gyms": {"TravelGym": {}}}}, "env_options: TravelGym: its tasks do not load")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config.replace(**changes).validate(1)
 
 
 def test_a_local_user_model_of_another_family_or_tokenizer_is_refused_in_one_line(tiny_dataset, tmp_path):
@@ -152,3 +178,25 @@ def test_tau2_mock_step_with_a_local_tiny_simulator_and_the_policy_as_coach(tiny
     assert record["rows"] >= 2 and record["update_applied"]
     # the policy coached itself: every coached turn was re-scored by the teacher (or counted as a failure)
     assert record["csd_turns"] + record["coach_failures"] == record["rows"]
+
+
+@pytest.mark.slow
+def test_several_optimizer_steps_per_batch_clip_from_the_second_on(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """The paper's protocol: a batch of 4 tasks x 2 rollouts in 4 mini-batches of one task, each an optimizer step
+    against the rollouts' old log-probs. The first step is on-policy (the local engine sampled with these weights, so
+    no ratio leaves the clip band); the later ones move away and clip."""
+    def run(name, *extra):
+        run_trainer(1, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / name, "--train-iters", "1",
+                                    "--tasks-per-step", "4", "--rollouts-per-prompt", "2", *extra), module=AGENT_RL,
+                    timeout=600)
+        (record,) = read_metrics(tmp_path / name)
+        return record
+
+    one, four = run("one"), run("four", "--optimizer-steps-per-batch", "4")
+    assert four["reward_mean"] == one["reward_mean"] and four["rows_trained"] == one["rows_trained"]
+    assert four["optimizer_steps"] == 4 and "optimizer_steps" not in one
+    clipped = [low + high for low, high in zip(four["clip_frac_low_per_step"], four["clip_frac_high_per_step"],
+                                               strict=True)]
+    assert clipped[0] == 0.0 and max(clipped[1:]) > 0.0, clipped
+    assert one["clip_frac_low"] + one["clip_frac_high"] == 0.0
+    assert four["clip_frac_high"] == pytest.approx(sum(four["clip_frac_high_per_step"]) / 4)

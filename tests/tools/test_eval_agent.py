@@ -136,3 +136,65 @@ def test_ranks_share_ties_and_skip_missing_scores():
     assert rows["x"]["ranks"] == {"u1": 2.5, "u2": 1.0} and rows["x"]["mean_rank"] == 1.75
     assert rows["x"]["average"] == 0.75
     assert rows["y"]["ranks"] == {"u1": 1.0, "u2": None} and rows["y"]["average"] is rows["y"]["mean_rank"] is None
+
+
+def _judge(verdicts):
+    """A TelepathyGym user that judges every guess by the next of ``verdicts`` (cycling)."""
+    count = iter(range(10 ** 6))
+
+    def reply(messages):
+        verdict = verdicts[next(count) % len(verdicts)]
+        return f'{{"thought": "t", "judgment": "{verdict}", "feedback": "You said {verdict.lower()}."}}'
+    return reply
+
+
+def test_two_gyms_by_three_user_models_are_scored_as_the_paper_scores_them(tokenizer_dir, tmp_path):
+    """An agent that plays FunctionGym right (it asks for the test case, then answers the data's own value) and always
+    guesses in TelepathyGym, against users that accept every guess, refuse every guess, or refuse then accept: each
+    gym's column is its tasks' best of 2 trials, the average weighs the tasks of both gyms alike."""
+    pytest.importorskip("functiongym", reason="UserRL's gyms: make venv installs them from ../shared/third_party")
+    from functiongym.data_loader import load_functions
+
+    from tests.rl.envs.test_userrl import call
+
+    answers = {tuple(f["test_case"]): f["expected_result"] for f in load_functions()}
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def complete(prompt):  # after an empty thought, as the prompt opens one
+        text = tokenizer.decode(prompt)
+        if "hidden function" in text:
+            cases = re.findall(r"Test case: \[([^\]]*)\]", text)
+            if not cases:
+                return f"</think>\n\n{call('search', 'test')}<|im_end|>"
+            answer = answers[tuple(int(x) for x in cases[-1].split(","))]
+            return f"</think>\n\n{call('answer', f'{answer:g}')}<|im_end|>"
+        return f"</think>\n\n{'I am done.' if 'Reward:' in text else call('answer', 'a person')}<|im_end|>"
+
+    out = tmp_path / "eval"
+    gyms = json.dumps({"gyms": {"FunctionGym": {}, "TelepathyGym": {}}})
+    with (FakeOpenAIServer(complete=complete, encode=lambda t: tokenizer.encode(t, add_special_tokens=False)) as agent,
+          FakeOpenAIServer(reply=_judge(["Yes"])) as agreeable, FakeOpenAIServer(reply=_judge(["No"])) as strict,
+          FakeOpenAIServer(reply=_judge(["No", "Yes"])) as picky):
+        users = [f"{name}=openai:{server.base_url}@judge"
+                 for name, server in (("agreeable", agreeable), ("strict", strict), ("picky", picky))]
+        code = eval_agent.main(["--env", "userrl", "--env-options", gyms, "--tasks", "1", "--trials", "2",
+                                "--max-agent-turns", "3", "--concurrency", "1", "--no-progress",
+                                "--agent", f"oracle=openai:{agent.base_url}@oracle", "--tokenizer", str(tokenizer_dir),
+                                *(flag for user in users for flag in ("--user", user)), "--output", str(out)])
+    assert code == 0
+    pairs = {p["user"]: p for p in json.loads((out / "results.json").read_text())["pairs"]}
+    assert {user: p["domain_scores"] for user, p in pairs.items()} == {
+        "agreeable": {"FunctionGym": 1.0, "TelepathyGym": 1.0}, "strict": {"FunctionGym": 1.0, "TelepathyGym": 0.0},
+        "picky": {"FunctionGym": 1.0, "TelepathyGym": 1.0}}  # picky accepted one of the two trials: best of 2
+    assert {user: p["score"] for user, p in pairs.items()} == {"agreeable": 1.0, "strict": 0.5, "picky": 1.0}
+    assert sorted(pairs["picky"]["task_rewards"][next(t for t in pairs["picky"]["task_rewards"]
+                                                      if t.startswith("Telepathy"))]) == [0.0, 1.0]
+    domains = (out / "domains.md").read_text()
+    assert domains.splitlines()[0] == "| Agent | User | FunctionGym | TelepathyGym | Average |"
+    assert "| oracle | strict | 1.000 | 0.000 | 0.500 |" in domains
+    assert [r["average"] for r in csv.DictReader((out / "domains.csv").open())] == ["1", "0.5", "1"]
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    function = next(e for e in episodes if e["task_id"].startswith("FunctionGym") and e["user"] == "strict")
+    assert [m["role"] for m in function["messages"]] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert function["messages"][-1]["content"] == "Your answer is correct!\nReward: 1"
+    assert function["termination"] == "env_done" and function["score_info"]["success"]

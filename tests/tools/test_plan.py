@@ -33,7 +33,8 @@ def paper_plans(planner):
 
 def test_the_paper_configs_cover_every_stage_for_both_models_and_the_qwen3_agent():
     qwen35 = [f"{stage}_{size}.yaml" for stage in ("midtrain", "sft", "rl_simulator", "rl_agent") for size in ("4b", "9b")]
-    qwen3 = ["rl_agent_qwen3_1.7b.yaml", "rl_agent_qwen3_4b.yaml", "rl_agent_qwen3_8b.yaml", "sft_qwen3_8b.yaml"]
+    qwen3 = ["rl_agent_qwen3_1.7b.yaml", "rl_agent_qwen3_4b.yaml", "rl_agent_qwen3_8b.yaml", "sft_qwen3_8b.yaml",
+             "rl_agent_userrl_qwen3_8b.yaml"]
     assert PAPER_CONFIGS == sorted(qwen35 + qwen3)
 
 

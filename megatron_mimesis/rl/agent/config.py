@@ -17,7 +17,12 @@ from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, ConfigErr
 # processes (it must share the agent's architecture and tokenizer; otherwise serve it and use "openai")
 USER_MODELS = ("openai", "scripted", "local")
 LOCAL_USER_OPTIONS = {"load", "thinking", "max_new_tokens", "temperature"}
+USER_ENDPOINT_OPTIONS = {"base_url", "model", "api_key"}  # what an env that owns its user takes of user_model_options
 COACHES = ("none", "openai", "policy", "scripted")  # "policy": the agent's own engine writes the notes
+# "foldgrpo": each turn's reward-to-go against its group's statistics of G_0 (kernels.foldgrpo_advantages);
+# "turn_credit": UserRL's multi-turn credit, the group z-score of G_0 spread over the turns by their reward-to-go
+# (kernels.turn_credit_advantages), as the paper's agent scripts train
+ADVANTAGES = ("foldgrpo", "turn_credit")
 
 
 @dataclass
@@ -33,9 +38,11 @@ class AgentRLConfig(RLConfig):
     max_agent_turns: int = 30  # agent generations per episode, tool calls included
     thinking: bool = True  # the agent's own thinking (its family's thinking template: enable_thinking)
     gamma: float = 0.8  # reward-to-go discount over agent turns
+    advantage: str = "foldgrpo"
     # the frozen user simulator. openai: OpenAIUserModel keyword arguments (e.g. a `vllm serve` of the simulator);
     # local: {"load": HF or dist checkpoint directory, "thinking", "max_new_tokens", "temperature"}; it ends with
-    # the trained end marker (data_prep.render.END_MARKER)
+    # the trained end marker (data_prep.render.END_MARKER). For an env that owns its user (userrl), openai's
+    # base_url and model are the endpoint its gyms call, through the run's per-episode proxy
     user_model: str = "openai"
     user_model_options: dict = field(default_factory=dict)
     # CSD
@@ -57,6 +64,10 @@ class AgentRLConfig(RLConfig):
     @property
     def rollouts_per_step(self) -> int:
         return self.tasks_per_step * self.rollouts_per_prompt
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.tasks_per_step
 
     def validate_without_files(self, world_size: int) -> None:
         super().validate_without_files(world_size)
@@ -89,12 +100,36 @@ class AgentRLConfig(RLConfig):
             raise ConfigError(f"user_model_options.load: {load} has another tokenizer ({tokenizer}) than the agent's "
                               f"({self.tokenizer}); {serve}")
 
+    def _check_userrl(self) -> None:
+        """The gyms load (installed, their data present, the options theirs) and their user is an endpoint."""
+        from megatron_mimesis.rl.envs import build_suite
+        from megatron_mimesis.rl.envs.userrl import UserRLError
+
+        if self.user_model != "openai":
+            raise ConfigError(f"env=userrl: the gyms call their user themselves, an OpenAI-compatible endpoint: "
+                              f"user_model must be openai (the served simulator), not {self.user_model!r}")
+        extra = sorted(set(self.user_model_options) - USER_ENDPOINT_OPTIONS)
+        if extra:
+            raise ConfigError(f"user_model_options: {extra} do not apply to env=userrl, whose gyms sample their user "
+                              f"themselves (set a gym's own fields in env_options.gyms.NAME.config); only "
+                              f"{sorted(USER_ENDPOINT_OPTIONS)}")
+        try:
+            build_suite(self.env, self.env_options).task_ids(self.train_split)
+        except (UserRLError, ImportError, KeyError) as exc:
+            raise ConfigError(f"env_options: {exc.args[0] if exc.args else exc}") from None
+        except TypeError as exc:
+            raise ConfigError(f"env_options do not fit the userrl env: {exc}") from None
+
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
         if self.env not in ENVS:
             raise ConfigError(f"env must be one of {ENVS}, not {self.env!r}")
         if self.env == "tau2" and "domain" not in self.env_options:
             raise ConfigError("env=tau2 needs env_options {\"domain\": ...}")
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"advantage must be one of {ADVANTAGES}, not {self.advantage!r}")
+        if self.env == "userrl":
+            self._check_userrl()
         if self.user_model not in USER_MODELS:
             raise ConfigError(f"user_model must be one of {USER_MODELS}, not {self.user_model!r}")
         if self.user_model == "scripted" and self.env != "toy":

@@ -8,6 +8,14 @@ which then moves again; a message without tool calls hands the turn to the user.
 user writes its stop marker ("user_stop"), after ``max_agent_turns`` agent generations ("max_turns"), or
 when the user model or an endpoint agent fails ("error: ...", not scored and counted by the caller).
 
+An env that owns its user (``envs.base.UserOwningEnv``, UserRL's gyms) opens the conversation itself and answers
+every tool call with a step of its own; there is no user model. The episode then also ends when the env says so
+("env_done") or when the agent writes a message without acting on the env ("agent_stop"), and a step the env's user
+could not answer ends it as "error: user model: ...". Those envs' calls are made through ``on_leader`` (the
+model-parallel group's first rank makes them, the others get its answers: the simulator must answer once per
+episode, not once per rank), one batch per round, ``suite.concurrency`` episodes at a time; the steps of one
+episode run in order and stop at the first that ends it.
+
 The agent's contexts are written, and its generations read, in its family's chat format (``agent_chat.py``); each
 generation's row is exactly the ids the engine got and the ids it generated.
 
@@ -19,6 +27,7 @@ violation is a hard error, since a leak would silently train on privileged text.
 """
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -26,8 +35,10 @@ import torch
 from megatron_mimesis.kernels import discounted_returns
 from megatron_mimesis.rl.agent.user_models import UserModel
 from megatron_mimesis.rl.engines.protocol import RolloutEngine
-from megatron_mimesis.rl.envs.base import AgentEnv, EnvSuite, EnvTask
+from megatron_mimesis.rl.envs.base import AgentEnv, EnvStep, EnvSuite, EnvTask, owns_user
 from megatron_mimesis.rl.types import SamplingParams, TrainingRow
+
+EPISODE_SEEDS = 1 << 20  # rollouts of one rank and step stay below it: their episodes' seeds never meet
 
 
 @dataclass
@@ -55,9 +66,11 @@ class AgentEpisode:
     score_info: dict = field(default_factory=dict)
 
     def user_reaction(self, turn: AgentTurn) -> tuple[str | None, str | None]:
-        """The user's next (thinking, utterance) after ``turn`` (None, None when the episode ended first)."""
+        """The user's next (thinking, utterance) after ``turn`` (None, None when the episode ended first); for an env
+        that owns its user, the env's answer to the turn's first call is that reaction."""
+        reacts = ("user", "tool") if owns_user(self.env) else ("user",)
         for index in range(turn.message_index + 1, len(self.messages)):
-            if self.messages[index]["role"] == "user":
+            if self.messages[index]["role"] in reacts:
                 return self.user_thinking.get(index), self.messages[index]["content"]
         return None, None
 
@@ -68,10 +81,16 @@ def user_view(messages: list[dict]) -> list[dict]:
             if m["role"] == "user" or (m["role"] == "assistant" and m["content"])]
 
 
+def _run_here(fn):
+    return fn()
+
+
 class AgentEpisodeRunner:
-    def __init__(self, engine: RolloutEngine, chat, user_model: UserModel, sampling: SamplingParams,
-                 max_agent_turns: int):
-        """``chat``: the agent's chat format (``agent_chat.agent_chat``)."""
+    def __init__(self, engine: RolloutEngine, chat, user_model: UserModel | None, sampling: SamplingParams,
+                 max_agent_turns: int, on_leader: Callable = _run_here):
+        """``chat``: the agent's chat format (``agent_chat.agent_chat``); ``user_model``: None when the suite's envs
+        own their user; ``on_leader(fn)`` runs ``fn`` where a user-owning env's calls are made and returns its result
+        to every caller (agent RL: the model-parallel group's first rank)."""
         if max_agent_turns < 1:
             raise ValueError(f"max_agent_turns must be at least 1, got {max_agent_turns}")
         self.engine = engine
@@ -79,6 +98,8 @@ class AgentEpisodeRunner:
         self.user_model = user_model
         self.sampling = replace(sampling, stop_token_ids=chat.stop_token_ids)
         self.max_agent_turns = max_agent_turns
+        self.on_leader = on_leader
+        self.concurrency = 1
 
     def run(self, suite: EnvSuite, task_ids: list[str], rollouts_per_task: int, step_seed: int,
             stop_requested: Callable[[], bool] = lambda: False) -> list[AgentEpisode]:
@@ -87,7 +108,8 @@ class AgentEpisodeRunner:
         there when it says so.
         Round ``r`` (every live episode's agent generates once per round, so r < max_agent_turns) seeds its user
         call with ``base + 2r`` and its agent call with ``base + 2r + 1``, ``base = step_seed * 2 *
-        max_agent_turns``: reproducible, and for non-negative step seeds never the same seed twice in a run."""
+        max_agent_turns``: reproducible, and for non-negative step seeds never the same seed twice in a run. A
+        user-owning env's episode seeds its user with ``step_seed * EPISODE_SEEDS + rollout_id``."""
         episodes = []
         for group_id, task_id in enumerate(task_ids):
             for _ in range(rollouts_per_task):
@@ -96,8 +118,11 @@ class AgentEpisodeRunner:
                 if env.task.agent_opening:
                     episode.messages.append({"role": "assistant", "content": env.task.agent_opening})
                 episodes.append(episode)
-        waiting_user = list(range(len(episodes)))
-        waiting_agent: list[int] = []
+        owning = [i for i, e in enumerate(episodes) if owns_user(e.env)]
+        if owning:
+            self.concurrency = suite.concurrency
+        waiting_user = [i for i, e in enumerate(episodes) if not owns_user(e.env)]
+        waiting_agent = self._open(episodes, owning, step_seed)
         base = step_seed * 2 * self.max_agent_turns
         rounds = 0
         while waiting_user or waiting_agent:
@@ -110,6 +135,33 @@ class AgentEpisodeRunner:
             if stop_requested():
                 break
         return episodes
+
+    def _env_calls(self, calls: list[Callable]) -> list:
+        """Each of ``calls`` (an episode's interaction with its user-owning env) made on the leader, ``concurrency``
+        at a time, the results in order on every caller."""
+        def make_all():
+            with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(calls)))) as pool:
+                return list(pool.map(lambda call: call(), calls))
+
+        return self.on_leader(make_all) if calls else []
+
+    def _open(self, episodes: list[AgentEpisode], indices: list[int], step_seed: int) -> list[int]:
+        """Open the user-owning envs' episodes: their user's first message; return the indices whose agent moves."""
+        opened = self._env_calls([lambda e=episodes[i]: e.env.open(step_seed * EPISODE_SEEDS + e.rollout_id)
+                                  for i in indices])
+        going_on = []
+        for i, step in zip(indices, opened, strict=True):
+            episode = episodes[i]
+            if step.error is None:
+                episode.user_thinking[len(episode.messages)] = step.user_thinking
+                episode.messages.append({"role": "user", "content": step.text})
+            if step.error is not None:
+                episode.termination = f"error: user model: {step.error}"
+            elif step.done:
+                episode.termination = "env_done"
+            else:
+                going_on.append(i)
+        return going_on
 
     def _user_round(self, episodes: list[AgentEpisode], indices: list[int], seed: int) -> list[int]:
         """Ask the user model to answer; return the indices whose agent moves next."""
@@ -139,7 +191,7 @@ class AgentEpisodeRunner:
         generations = self.engine.generate(contexts, sampling)
         if len(generations) != len(indices):
             raise RuntimeError(f"engine returned {len(generations)} generations for {len(indices)} prompts")
-        to_user, to_agent = [], []
+        acted = []  # (index, its calls) of the episodes whose agent moved
         for i, context, generation in zip(indices, contexts, generations, strict=True):
             episode = episodes[i]
             if generation.finish_reason.startswith("error"):  # an endpoint engine that could not answer
@@ -153,10 +205,25 @@ class AgentEpisodeRunner:
             episode.agent_thinking[len(episode.messages)] = reply.thinking
             episode.messages.append({"role": "assistant", "content": reply.text,
                                      **({"tool_calls": calls} if calls else {})})
-            for call in calls:
-                episode.messages.append({"role": "tool", "content": episode.env.call_tool(call), "name": call.name,
-                                         "tool_call_id": call.id})
-            if len(episode.turns) >= self.max_agent_turns:
+            acted.append((i, calls))
+        owning = [(i, calls) for i, calls in acted if owns_user(episodes[i].env) and calls]
+        answers = dict(zip([i for i, _ in owning], self._env_calls(
+            [lambda env=episodes[i].env, calls=calls: _steps(env, calls) for i, calls in owning]), strict=True))
+        to_user, to_agent = [], []
+        for i, calls in acted:
+            episode = episodes[i]
+            ended = None
+            if i in answers:
+                ended = self._record_steps(episode, calls, answers[i])
+            else:
+                for call in calls:
+                    episode.messages.append({"role": "tool", "content": episode.env.call_tool(call),
+                                             "name": call.name, "tool_call_id": call.id})
+                if owns_user(episode.env) and not calls:
+                    ended = "agent_stop"
+            if ended is not None:
+                episode.termination = ended
+            elif len(episode.turns) >= self.max_agent_turns:
                 episode.termination = "max_turns"
             elif calls:
                 to_agent.append(i)
@@ -164,12 +231,37 @@ class AgentEpisodeRunner:
                 to_user.append(i)
         return to_user, to_agent
 
+    @staticmethod
+    def _record_steps(episode: AgentEpisode, calls: list, steps: list[EnvStep]) -> str | None:
+        """The env's answers as tool messages (its user's thoughts beside them); the termination they caused."""
+        for call, step in zip(calls, steps, strict=False):
+            if step.error is not None:
+                return f"error: user model: {step.error}"
+            episode.user_thinking[len(episode.messages)] = step.user_thinking
+            episode.messages.append({"role": "tool", "content": step.text, "name": call.name,
+                                     "tool_call_id": call.id})
+            if step.done:
+                return "env_done"
+        return None
+
+
+def _steps(env, calls: list) -> list[EnvStep]:
+    """One episode's calls of a round, in order, up to the first that ends the episode."""
+    out = []
+    for call in calls:
+        out.append(env.step(call))
+        if out[-1].done or out[-1].error is not None:
+            break
+    return out
+
 
 def score_episodes(episodes: list[AgentEpisode]) -> dict[str, int]:
     """Score every ended episode with its env; the rewards of the agent's own turns are kept (an opening
     greeting is the env's, not a policy action). Returns failure counts by reason."""
     failures: dict[str, int] = {}
     for episode in episodes:
+        if owns_user(episode.env):
+            episode.env.close()
         if episode.termination.startswith("error"):  # "error: agent: ..." or "error: user model: ..."
             reason = episode.termination.split(":")[1].strip().replace(" ", "_") + "_error"
             failures[reason] = failures.get(reason, 0) + 1

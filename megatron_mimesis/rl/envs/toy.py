@@ -12,7 +12,7 @@ import re
 
 from data_prep.render import END_MARKER
 from megatron_mimesis.rl.agent.user_models import ScriptedUserModel
-from megatron_mimesis.rl.envs.base import EnvScore, EnvTask, ToolCall
+from megatron_mimesis.rl.envs.base import EnvScore, EnvTask, SingleDomain, ToolCall
 
 ITEMS = ("alpha", "bravo", "delta", "echo", "kilo", "lima", "oscar", "tango")
 LOOKUP_TOOL = {
@@ -46,7 +46,7 @@ class ToyEnv:
         return EnvScore(rewards, {"termination": termination})
 
 
-class ToySuite:
+class ToySuite(SingleDomain):
     name = "toy"
 
     def __init__(self, num_tasks: int = 8, max_words: int = 3, seed: int = 0):

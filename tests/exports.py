@@ -1,0 +1,24 @@
+"""Exports as a user makes them (``tools/convert_checkpoint.py export``), for the tests that serve or load one."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export(load: Path, out: Path, tokenizer: Path) -> Path:
+    """``load`` (a dist checkpoint) exported by the CLI to ``out`` with ``tokenizer``'s files."""
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "export", "--load", str(load), "--out",
+                           str(out), "--tokenizer", str(tokenizer)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def tiny_simulator(tiny_hf_checkpoint: Path, tiny_dataset: Path, work: Path) -> Path:
+    """The tiny model as a user would get it: imported to a dist checkpoint, then exported by the CLI."""
+    from megatron_mimesis.checkpoint.conversion import import_from_hf
+
+    import_from_hf(tiny_hf_checkpoint, work / "mcore")
+    return export(work / "mcore", work / "export", tiny_dataset / "tokenizer")
