@@ -152,12 +152,12 @@ class AgentEpisodeRunner:
         going_on = []
         for i, step in zip(indices, opened, strict=True):
             episode = episodes[i]
-            if step.error is None:
-                episode.user_thinking[len(episode.messages)] = step.user_thinking
-                episode.messages.append({"role": "user", "content": step.text})
             if step.error is not None:
                 episode.termination = f"error: user model: {step.error}"
-            elif step.done:
+                continue
+            episode.user_thinking[len(episode.messages)] = step.user_thinking
+            episode.messages.append({"role": "user", "content": step.text})
+            if step.done:
                 episode.termination = "env_done"
             else:
                 going_on.append(i)
