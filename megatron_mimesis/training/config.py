@@ -424,6 +424,10 @@ def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mim
                         help="with --dry-run: also refuse (exit 2) a save directory without room for the checkpoints "
                              "the run keeps, from the plan's checkpoint size (the launchers' pre-check; the ranks "
                              "then skip it)")
+    parser.add_argument("--check-shutdown-timeout", type=int, metavar="S",
+                        help="with --dry-run: also refuse (exit 2) a job whose ranks get S seconds to stop and save "
+                             "(its SHUTDOWN_TIMEOUT) when the run needs more (training/lead_times.py; the launchers' "
+                             "pre-check under SLURM)")
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         flag = "--" + f.name.replace("_", "-")

@@ -435,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
-        return dry_run(config, world_size, plan_training(config, world_size), resolved, args.check_save_dir)
+        return dry_run(config, world_size, plan_training(config, world_size), resolved, args.check_save_dir,
+                       args.check_shutdown_timeout)
     if not start_run(config, world_size, resuming):
         return 2
     tokenizer = manifest["tokenizer"]
@@ -448,20 +449,32 @@ def announce(line: str | None) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def dry_run(config, world_size: int, planned: tuple, resolved: dict, check_save_dir: bool) -> int:
+def dry_run(config, world_size: int, planned: tuple, resolved: dict, check_save_dir: bool,
+            shutdown_timeout_s: int | None = None) -> int:
     """What ``--dry-run`` prints and exits with: the memory plan (``planned``: the plan and its refusal) with the
     resolved config; with ``check_save_dir`` (the launchers' pre-check) also whether ``save`` has room for the run's
-    checkpoints, from the plan's checkpoint size."""
+    checkpoints, from the plan's checkpoint size; with ``shutdown_timeout_s`` (the job's SHUTDOWN_TIMEOUT, under
+    SLURM) whether the ranks get the time the run needs to stop and save on a pre-timeout signal. An sbatch file
+    serves several configs, and one whose checkpoints or phases are larger would lose its stop save."""
     from megatron_mimesis.training.memory.plan import print_plan
     from megatron_mimesis.training.save_dir import check_save_dir as check
 
     status = print_plan(*planned, resolved)
-    if status == 0 and check_save_dir:
-        try:
-            check(config, world_size, planned[0].details["checkpoint_bytes"])
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    if status != 0:
+        return status
+    details = planned[0].details
+    try:
+        if check_save_dir:
+            check(config, world_size, details["checkpoint_bytes"])
+        if shutdown_timeout_s is not None and shutdown_timeout_s < details["shutdown_timeout_s"]:
+            raise ConfigError(
+                f"SHUTDOWN_TIMEOUT {shutdown_timeout_s} s is less than the {details['shutdown_timeout_s']} s this run "
+                f"needs to stop and save on SLURM's pre-timeout signal (its longest phase and two checkpoint writes: "
+                f"training/lead_times.py): submit with SHUTDOWN_TIMEOUT={details['shutdown_timeout_s']} sbatch "
+                f"--signal=B:USR1@{details['signal_lead_s']} ...")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return status
 
 

@@ -8,7 +8,8 @@ whose user leaves, served the same way behind the marker relay, ends a tau2 epis
 ``<END>`` reaches tau2 as ``###STOP###``, with nothing constraining what it writes.
 
 Two exports and two servers for the module (a vLLM start costs 30 s to minutes of CPU): a random tiny model, and
-that model trained to leave."""
+that model trained to leave. UserRL's gyms against the first, as their user and judge, are collected here from
+``tests/rl/envs/served_gyms.py`` to share its server."""
 
 import json
 import os
@@ -27,6 +28,11 @@ from tests.exports import export as export_checkpoint
 from tests.exports import tiny_simulator
 from tests.models.harness import REPO
 from tests.rendering import prompt_of_last_turn
+from tests.rl.envs.served_gyms import (  # noqa: F401 (collected here, with this module's server)
+    agent,
+    test_agent_rl_on_two_gyms_with_csd_resumes_after_a_requeue,
+    test_telepathy_gym_is_judged_by_the_served_simulator_through_the_proxy,
+)
 from tests.training.conftest import VOCAB
 from tests.vllm_server import VLLMServer
 

@@ -71,6 +71,28 @@ def test_slurm_launch_refuses_a_layout_that_does_not_fit_before_srun(fake):
     assert not (tmp_path / "log" / "srun").exists() and not (tmp_path / "log" / "scontrol").exists()
 
 
+def test_slurm_launch_refuses_a_config_whose_stop_save_outlasts_the_jobs_shutdown_timeout(fake):
+    """rl_agent.sbatch gives the ranks the 780 s its default config (Qwen3-8B) needs to save on SLURM's pre-timeout
+    signal; the Qwen3.5-9B agent it also serves (CONFIG=launch/configs/rl_agent_9b.yaml) writes larger checkpoints
+    and needs 840: refused in one line with the values to submit with, before srun."""
+    tmp_path, env = fake
+    from megatron_mimesis.models.presets import get_preset
+
+    hf = tmp_path / "qwen3.5-9b"  # the released config (no weights: the check reads none)
+    preset = get_preset("9b")
+    preset.family.hf_config(preset).save_pretrained(hf)
+    (hf / "tokenizer.json").write_text("{}")
+    job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2", "SHUTDOWN_TIMEOUT": "780"}
+    result = run("rl_agent.sh", ["--pretrained-hf", str(hf), "--tokenizer", str(hf)],
+                 {**job, "CONFIG": "launch/configs/rl_agent_9b.yaml"})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == ("error: SHUTDOWN_TIMEOUT 780 s is less than the 840 s this run needs to stop and save on SLURM's "
+                    "pre-timeout signal (its longest phase and two checkpoint writes: training/lead_times.py): submit "
+                    "with SHUTDOWN_TIMEOUT=840 sbatch --signal=B:USR1@960 ..."), line
+    assert not (tmp_path / "log" / "srun").exists()
+
+
 def test_local_dry_run_without_gpu_is_the_demo(fake):
     tmp_path, env = fake
     # SAVE away from the repository's runs/: a demo run there would make this a resume (of another train_iters)

@@ -228,20 +228,22 @@ def memory_plan(config, world_size: int, workload: Workload) -> MemoryPlan:
         table.add(f"{workload.engine.name} engine, awake", "rollout", workload.engine.awake_bytes,
                   workload.engine.awake_source, "engine")
         table.add("CUDA context, NCCL, workspaces", "rollout", CONTEXT_ALLOWANCE_GIB * GIB, _ALLOWANCE, "allowance")
-    rows = table.rows() + _checkpoint_rows(config, world_size, stages, columns[0])
+    checkpoint_rows, leads = _checkpoint_rows(config, world_size, stages, columns[0])
+    rows = table.rows() + checkpoint_rows
     gpu = config.gpu if config.gpu_memory_gib is None else f"{config.gpu} at {config.gpu_memory_gib:g} GiB"
     tokens = workload.tokens // config.context_parallel_size
     details = {"tokens_per_microbatch": tokens, "checkpoint_bytes": checkpoint_bytes(config, stages),
-               "layer_gib": {kind: fit.at(tokens) / GIB for kind, fit in acts.layers.items()}}
+               "layer_gib": {kind: fit.at(tokens) / GIB for kind, fit in acts.layers.items()},
+               "signal_lead_s": leads[0], "shutdown_timeout_s": leads[1]}
     return MemoryPlan(title=_title(config, world_size, workload), gpu=gpu, capacity_bytes=gpu_capacity_bytes(config),
                       columns=columns, rows=rows, notes=_notes(config, workload, stages, columns, temporaries),
                       details=details)
 
 
-def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column: str) -> list[Row]:
+def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column: str) -> tuple[list[Row], tuple]:
     """Not GPU memory, in the same table: one checkpoint's size, the share of the node that writes the most of it and
     its planned write time, which the SLURM lead times are derived from (``training/lead_times.py``), and what the
-    save directory holds at most under the run's retention (``checkpoint/retention.py``)."""
+    save directory holds at most under the run's retention (``checkpoint/retention.py``); and the lead times."""
     from megatron_mimesis.checkpoint.retention import most_on_disk
     from megatron_mimesis.training.lead_times import lead_times
 
@@ -267,7 +269,7 @@ def _checkpoint_rows(config, world_size: int, stages: list[StageStates], column:
             "checkpoint", unit="s", counts=False),
         Row("SLURM lead: SHUTDOWN_TIMEOUT", {column: shutdown}, "derived: training/lead_times.py", "checkpoint",
             unit="s", counts=False),
-    ]
+    ], (signal_lead, shutdown)
 
 
 def _bytes_row(term: str, column: str, size: float, source: str) -> Row:

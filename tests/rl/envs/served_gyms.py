@@ -1,5 +1,6 @@
 """UserRL's gyms with the tiny simulator served by real vLLM as their user and judge, through the run's per-episode
-proxy: TelepathyGym's judge held by vLLM's structured outputs to a thought and the JSON the gym parses (the proxy
+proxy (collected by ``tests/checkpoint/test_served_simulator.py``, whose module-scoped ``server`` they share: a vLLM
+start and an export cost a minute or two of CPU): TelepathyGym's judge held by vLLM's structured outputs to a thought and the JSON the gym parses (the proxy
 keeps the thought, the gym gets the JSON), and agent RL on a mixture of FunctionGym and TelepathyGym with CSD on,
 each gym's metrics logged, the coach's prompts built from the thoughts the proxy kept, and a requeue resumed from
 the checkpoint. The agent is the tiny model taught, by a few plain steps of supervised learning here, to call the
@@ -15,14 +16,11 @@ from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, score_episode
 from megatron_mimesis.rl.agent.tasks import TaskSampler
 from megatron_mimesis.rl.envs import build_suite
 from megatron_mimesis.rl.types import SamplingParams
-from tests.exports import tiny_simulator
 from tests.rl.envs.test_userrl import call
 from tests.rl.fakes import ScriptedEngine
 from tests.training.conftest import read_metrics, run_trainer
-from tests.vllm_server import VLLMServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-pytest.importorskip("telepathygym", reason="UserRL's gyms: make venv-vllm installs them from ../shared/third_party")
+GYMS_MISSING = "UserRL's gyms: make venv-vllm installs them from ../shared/third_party"
 
 # a short thought, the end of thinking, then one JSON object that both of TelepathyGym's prompts parse (a question
 # reads "response"; a guess "judgment" and "feedback")
@@ -35,15 +33,8 @@ GYMS = {"gyms": {"FunctionGym": {"weight": 1},
 TARGETS = {"FunctionGym": call("action", "1 2 3 4"), "TelepathyGym": call("answer", "a person")}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_hf_checkpoint, tiny_dataset, tmp_path_factory):
-    work = tmp_path_factory.mktemp("served")
-    with VLLMServer(tiny_simulator(tiny_hf_checkpoint, tiny_dataset, work), work / "server.log",
-                    max_model_len=2048) as served:
-        yield served
-
-
 def test_telepathy_gym_is_judged_by_the_served_simulator_through_the_proxy(server, tiny_dataset):
+    pytest.importorskip("telepathygym", reason=GYMS_MISSING)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dataset / "tokenizer")
@@ -67,6 +58,7 @@ def test_telepathy_gym_is_judged_by_the_served_simulator_through_the_proxy(serve
 def agent(tiny_hf_checkpoint, tiny_dataset, server, tmp_path_factory):
     """The tiny model after 80 steps of next-token loss on the tool call each gym's opening asks for here; it then
     writes that call, greedily, after an opening of each gym."""
+    pytest.importorskip("telepathygym", reason=GYMS_MISSING)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dataset / "tokenizer")
