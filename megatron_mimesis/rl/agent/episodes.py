@@ -149,19 +149,8 @@ class AgentEpisodeRunner:
         """Open the user-owning envs' episodes: their user's first message; return the indices whose agent moves."""
         opened = self._env_calls([lambda e=episodes[i]: e.env.open(step_seed * EPISODE_SEEDS + e.rollout_id)
                                   for i in indices])
-        going_on = []
-        for i, step in zip(indices, opened, strict=True):
-            episode = episodes[i]
-            if step.error is not None:
-                episode.termination = f"error: user model: {step.error}"
-                continue
-            episode.user_thinking[len(episode.messages)] = step.user_thinking
-            episode.messages.append({"role": "user", "content": step.text})
-            if step.done:
-                episode.termination = "env_done"
-            else:
-                going_on.append(i)
-        return going_on
+        return [i for i, step in zip(indices, opened, strict=True)
+                if _heard(episodes[i], step.error, step.user_thinking, step.text, "env_done" if step.done else None)]
 
     def _user_round(self, episodes: list[AgentEpisode], indices: list[int], seed: int) -> list[int]:
         """Ask the user model to answer; return the indices whose agent moves next."""
@@ -171,19 +160,8 @@ class AgentEpisodeRunner:
                                              [user_view(e.messages) for e in episodes], seed=seed)
         if len(replies) != len(episodes):
             raise RuntimeError(f"user model returned {len(replies)} replies for {len(episodes)} episodes")
-        going_on = []
-        for index, episode, reply in zip(indices, episodes, replies, strict=True):
-            if reply.error is not None:
-                episode.termination = f"error: user model: {reply.error}"
-                continue
-            if reply.utterance:
-                episode.user_thinking[len(episode.messages)] = reply.thinking
-                episode.messages.append({"role": "user", "content": reply.utterance})
-            if reply.done:
-                episode.termination = "user_stop"
-            else:
-                going_on.append(index)
-        return going_on
+        return [index for index, episode, reply in zip(indices, episodes, replies, strict=True)
+                if _heard(episode, reply.error, reply.thinking, reply.utterance, "user_stop" if reply.done else None)]
 
     def _agent_round(self, episodes: list[AgentEpisode], indices: list[int], sampling: SamplingParams):
         contexts = [self.chat.context(episodes[i].task, episodes[i].messages, episodes[i].agent_thinking)
@@ -243,6 +221,21 @@ class AgentEpisodeRunner:
             if step.done:
                 return "env_done"
         return None
+
+
+def _heard(episode: AgentEpisode, error: str | None, thinking: str | None, text: str, ended: str | None) -> bool:
+    """The user's turn into the episode (its words, its private thinking beside them) or the end it made: a failure,
+    or ``ended``; whether the agent moves next."""
+    if error is not None:
+        episode.termination = f"error: user model: {error}"
+        return False
+    if text:
+        episode.user_thinking[len(episode.messages)] = thinking
+        episode.messages.append({"role": "user", "content": text})
+    if ended is not None:
+        episode.termination = ended
+        return False
+    return True
 
 
 def _steps(env, calls: list) -> list[EnvStep]:
