@@ -238,7 +238,6 @@ class UserRLEnv:
                             tools=[tool_schema(self.gym)], user_instructions="")
         self._env = None
         self._key = None
-        self._thinking: str | None = None  # the user's thoughts during the last call
         self.rewards: dict[str, float] = {}  # tool call id -> the step's reward
         self.steps = 0
         self.user_requests = 0
@@ -264,10 +263,8 @@ class UserRLEnv:
             self._env = getattr(package, self.gym.env_class)(getattr(package, self.gym.config_class)(**fields))
             obs, info = self._env.reset()
         except Exception as exc:  # a gym raises on its user's failure at reset (TauGym) and on bad configs
-            return EnvStep("", error=self._failure(None) or f"{self.name} reset failed: {exc!r}")
-        failure = self._failure(None)
-        return EnvStep("", error=failure) if failure else EnvStep(self.gym.opening(obs, info),
-                                                                  user_thinking=self._thinking)
+            return self._answered("", failed=f"reset failed: {exc!r}")
+        return self._answered(self.gym.opening(obs, info))
 
     def step(self, call: ToolCall) -> EnvStep:
         choice, content = call.arguments.get("choice"), call.arguments.get("content", "")
@@ -278,21 +275,22 @@ class UserRLEnv:
                            f"not {call.name}({json.dumps(call.arguments)[:200]})")
         obs, reward, terminated, truncated, info = self._env.step(f"[{choice}] {content}")
         self.steps += 1
-        failure = self._failure(self.gym.failed(obs, info))
-        if failure:
-            return EnvStep("", error=failure)
-        self.rewards[call.id] = float(reward)
         text = obs["feedback"] + (f"\nReward: {float(reward):g}" if self.suite.show_reward else "")
-        return EnvStep(text, done=bool(terminated or truncated), user_thinking=self._thinking)
+        step = self._answered(text, bool(terminated or truncated), self.gym.failed(obs, info))
+        if step.error is None:
+            self.rewards[call.id] = float(reward)
+        return step
 
-    def _failure(self, failed: str | None) -> str | None:
-        """What went wrong in the calls since the last step: a failed request first, else the gym's own sign."""
+    def _answered(self, text: str, done: bool = False, failed: str | None = None) -> EnvStep:
+        """The gym's answer with what its user did meanwhile (the proxy's replies since the last answer): their
+        thoughts beside it, or the failure, a failed request first, else the gym's own sign (``failed``)."""
         replies = self.suite.user_proxy().take(self._key) if self._key is not None else []
         self.user_requests += len(replies)
         self.user_seconds += sum(r.seconds for r in replies)
-        errors = [r.error for r in replies if r.error is not None]
-        self._thinking = "\n\n".join(r.thinking for r in replies if r.thinking) or None
-        return f"{self.name}: {errors[0]}" if errors else (f"{self.name}: {failed}" if failed else None)
+        errors = [r.error for r in replies if r.error is not None] + ([failed] if failed else [])
+        if errors:
+            return EnvStep("", error=f"{self.name}: {errors[0]}")
+        return EnvStep(text, done, "\n\n".join(r.thinking for r in replies if r.thinking) or None)
 
     def close(self) -> None:
         if self._key is not None:
