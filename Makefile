@@ -23,7 +23,7 @@ install_third_party = if [ -d $(THIRD_PARTY)/UserRL/gyms ]; then \
 		$(addprefix -e $(1)/third_party/,$(USERRL_GYMS)); \
 	else echo "note: no $(THIRD_PARTY)/UserRL: UserRL's gyms not installed (their tests skip)"; fi
 
-.PHONY: venv venv-vllm test test-fast demo lint bench bench-engines
+.PHONY: venv venv-vllm test test-fast demo pipeline lint bench bench-engines
 
 $(STAMP): setup.py constraints.txt
 	rm -rf $(VENV)
@@ -64,6 +64,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	bash launch/midtrain.sh
+
+# the whole MIMESIS loop on CPU (launch/pipelines/demo.yaml); its server runs in .venv-vllm
+pipeline: $(STAMP) $(VLLM_STAMP)
+	bash launch/pipeline.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

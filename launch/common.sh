@@ -13,8 +13,8 @@
 # optionally TRAIN_MODULE (the entry module; default the trainer) and DEMO_PLOT_ARGS (array for tools/plot_run.py);
 # the RL stages take their demo settings from rl_demo_defaults (called after sourcing this file).
 # Environment overrides: CONFIG, PYTHON, NPROC (processes per node; GPUS_PER_NODE, its SLURM name, works too), NNODES,
-# NODE_RANK, MASTER_ADDR, MASTER_PORT, DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, and any NCCL_* / CUDA_* /
-# OMP_NUM_THREADS.
+# NODE_RANK, MASTER_ADDR, MASTER_PORT, DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, MIMESIS_DEMO (0: not the demo
+# even with its config, as the pipeline runs it), and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TRAIN_MODULE="${TRAIN_MODULE:-megatron_mimesis.training.train}"
@@ -256,7 +256,9 @@ launch() {
   fi
   [[ -n "$CONFIG" ]] || die "set CONFIG=<your $STAGE config.yaml> (this stage ships no paper-scale config yet)"
   [[ -f "$CONFIG" ]] || die "CONFIG=$CONFIG: no such file"
-  if [[ "$CONFIG" == "$DEMO_CONFIG" && $in_slurm == 0 ]]; then demo=1; fi
+  # a stage of a pipeline (MIMESIS_DEMO=0) runs a demo config on the data and checkpoints it is handed and reports
+  # itself, so the launcher builds no demo data and prints no demo summary
+  if [[ "$CONFIG" == "$DEMO_CONFIG" && $in_slurm == 0 && "${MIMESIS_DEMO:-1}" != 0 ]]; then demo=1; fi
   add_env_flags
 
   local trainer=(-m "$TRAIN_MODULE" --config "$CONFIG" "${train_args[@]}")

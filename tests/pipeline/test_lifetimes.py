@@ -1,0 +1,98 @@
+"""No process outlives a pipeline, on the three paths (a signal, a kill -9 of the pipeline, a stage that fails), and a
+run stopped by a signal resumes where it stopped, then does nothing once done. The chain here is the demo's first
+stages (data, mid-training through its launcher and torchrun, an export); tests/pipeline/test_loop.py runs the whole
+loop with its vLLM server."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from tests.pipeline.runs import PipelineRun, latest, small_definition
+
+pytestmark = pytest.mark.slow
+STEPS = ["--train-iters", "12", "--save-interval", "1", "--eval-interval", "100", "--lr-warmup-iters", "2"]
+GONE_S = 90  # the ranks finish the step they are in and save before they exit
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """One data_prep output for every run here, given to each (``--given data=DIR``)."""
+    from data_prep.midtrain import build
+
+    out = tmp_path_factory.mktemp("pipeline-data") / "data"
+    build(output=str(out), seq_length=256, vocab_size=8192, max_conversations=400, progress=False)
+    return out
+
+
+@pytest.fixture
+def definition(tmp_path):
+    return small_definition(tmp_path / "chain.yaml", {"midtrain_data": {}, "midtrain": {}, "agent_before": {}},
+                            {"midtrain": STEPS})
+
+
+def record(run_dir, stage):
+    return json.loads((run_dir / stage / "stage.json").read_text())
+
+
+def test_a_signal_stops_the_stage_it_reaches_and_the_next_run_resumes_it_then_does_nothing(tmp_path, definition,
+                                                                                           data):
+    run_dir = tmp_path / "run"
+    run = PipelineRun(definition, run_dir, "--given", f"midtrain_data={data}")
+    try:
+        run.start().wait_until(lambda: latest(run_dir / "midtrain" / "checkpoints") >= 1, "a first checkpoint")
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.wait(GONE_S) == 128 + signal.SIGTERM, run.output()
+        assert not run.wait_gone(GONE_S), run.processes()
+        assert record(run_dir, "midtrain")["status"] == "interrupted"
+        stopped = latest(run_dir / "midtrain" / "checkpoints")
+        assert 1 <= stopped < 12 and "pipeline: SIGTERM: stopping stage midtrain" in run.output(), run.output()
+
+        assert run.start().wait() == 0, run.output()
+        out = run.output()
+        assert "to run: midtrain, agent_before" in out and "stage midtrain: resuming" in out, out
+        stage_log = (run_dir / "midtrain" / "stage.log").read_text()
+        assert f"resuming from {run_dir / 'midtrain' / 'checkpoints'} (iteration {stopped})" in stage_log
+        done = record(run_dir, "midtrain")
+        assert done["status"] == "done" and [a["exit"] for a in done["history"]][-1] == 0, done
+        assert done["figures"]["line"].endswith("(12 steps)"), done
+        assert (run_dir / "agent_before" / "hf" / "config.json").is_file()
+
+        assert run.start().wait() == 0
+        out = run.output()
+        assert "every stage is done, nothing to run" in out and not re.search("^stage ", out, re.M), out
+    finally:
+        run.kill_leftovers()
+
+
+def test_a_kill_9_of_the_pipeline_leaves_no_process(tmp_path, definition, data):
+    run_dir = tmp_path / "run"
+    run = PipelineRun(definition, run_dir, "--given", f"midtrain_data={data}")
+    try:
+        run.start().wait_until(lambda: latest(run_dir / "midtrain" / "checkpoints") >= 1, "a first checkpoint")
+        before = run.processes()
+        assert len(before) >= 5, before  # keeper, launcher, torchrun, 2 ranks (and their helpers)
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.wait()
+        assert not run.wait_gone(GONE_S), run.processes()
+    finally:
+        run.kill_leftovers()
+
+
+def test_a_stage_that_fails_ends_the_pipeline_with_its_reason_and_no_process(tmp_path, data):
+    definition = small_definition(tmp_path / "chain.yaml", {"midtrain_data": {}, "midtrain": {}, "agent_before": {}},
+                                  {"midtrain": [*STEPS, "--data-path", str(tmp_path / "no-such-data")]})
+    run_dir = tmp_path / "run"
+    run = PipelineRun(definition, run_dir, "--given", f"midtrain_data={data}")
+    try:
+        status = run.start().wait()
+        out = run.output()
+        assert status == 2 and "stage midtrain: failed (exit 2); last lines of" in out, out
+        assert f"error: data_path: {tmp_path / 'no-such-data'}" in out, out
+        assert record(run_dir, "midtrain")["status"] == "failed"
+        assert "| agent_before | export | not run |" in (run_dir / "summary.md").read_text()
+        assert not run.wait_gone(10), run.processes()
+    finally:
+        run.kill_leftovers()
