@@ -143,6 +143,12 @@ class Runner:
     def _pending(self, only: list[str] | None) -> list[str]:
         stages = self.resolution.stages
         pending = [n for n, r in stages.items() if not r.done and r.stage.kind != "serve" and (not only or n in only)]
+        for name in pending if only else []:  # one job of a chain: what it reads must be there (a server: serving)
+            missing = [ref for ref in self.resolution.definition.needs_of(name)
+                       if not stages[ref].done and stages[ref].stage.kind != "serve"]
+            if missing:
+                raise PipelineError(f"stage {name} reads {', '.join(missing)}, which did not finish (their records in "
+                                    f"{self.resolution.definition.run_dir})")
         return pending
 
     def _finished(self, resolved: Resolved) -> str | None:
@@ -218,7 +224,11 @@ class Runner:
 
     def run(self, only: list[str] | None = None) -> int:
         started = time.monotonic()
-        pending = self._pending(only)
+        try:
+            pending = self._pending(only)
+        except PipelineError as exc:
+            say(f"error: {exc}")
+            return 2
         definition = self.resolution.definition
         say(f"pipeline {definition.name}: {len(self.resolution.stages)} stages in {definition.run_dir}; "
             + (f"to run: {', '.join(pending)}" if pending else "every stage is done, nothing to run"))

@@ -1,0 +1,87 @@
+"""The whole loop through ``bash launch/pipeline.sh``, at a few steps per stage: mid-training -> SFT -> simulator RL ->
+export -> a real ``vllm serve`` of the export -> agent RL whose user is that server -> both evaluations. Killed with
+SIGKILL during agent RL, it leaves no process (the server and its engine included); run again, it resumes agent RL
+from its checkpoint and skips everything before; run a third time, it does nothing.
+
+The pipeline runs in ``.venv`` as the demo's does (its server in ``.venv-vllm``, where this module runs)."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from tests.pipeline.runs import VENV_PYTHON, PipelineRun, latest, small_definition
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+FEW = {"midtrain": ["--train-iters", "10", "--eval-interval", "100", "--lr-warmup-iters", "2"],
+       "sft": ["--train-iters", "4", "--lr-warmup-iters", "2"], "simulator_rl": ["--train-iters", "2"],
+       "agent_rl": ["--train-iters", "3", "--save-interval", "1"]}
+SMALL_EVALS = {"simulator_eval": {"args": ["--seq-length", "256", "--max-new-tokens", "16", "--max-conversations", "4",
+                                           "--bootstrap", "50"]},
+               "agent_eval": {"args": ["--env", "toy", "--trials", "1", "--tasks", "2", "--max-agent-turns", "2",
+                                       "--max-new-tokens", "8", "--user-max-new-tokens", "16", "--no-agent-thinking"]}}
+GONE_S = 120
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    if not VENV_PYTHON.exists():
+        pytest.skip("the pipeline runs in .venv (make venv)")
+    root = tmp_path_factory.mktemp("loop")
+    names = ["midtrain_data", "midtrain", "sft_data", "sft", "simulator_rl", "simulator_export", "simulator_server",
+             "agent_before", "agent_rl", "agent_export", "simulator_eval", "agent_eval"]
+    definition = small_definition(root / "loop.yaml", {name: SMALL_EVALS.get(name, {}) for name in names}, FEW)
+    run = PipelineRun(definition, root / "run", python=VENV_PYTHON)
+    yield run
+    run.kill_leftovers()
+
+
+def record(run, stage):
+    return json.loads((run.run_dir / stage / "stage.json").read_text())
+
+
+def test_a_kill_9_during_agent_rl_leaves_no_process_and_the_next_run_resumes_agent_rl(loop):
+    checkpoints = loop.run_dir / "agent_rl" / "checkpoints"
+    loop.start().wait_until(lambda: latest(checkpoints) >= 1, "agent RL's first checkpoint", timeout=1200)
+    alive = loop.processes()
+    assert any("vllm.entrypoints.openai.api_server" in p["cmdline"] for p in alive.values()), alive
+    os.kill(loop.proc.pid, signal.SIGKILL)
+    loop.wait()
+    assert not loop.wait_gone(GONE_S), loop.processes()
+    stopped = latest(checkpoints)
+    assert record(loop, "agent_rl")["status"] == "running"  # what a killed pipeline leaves; the next run resumes it
+
+    assert loop.start().wait(1200) == 0, loop.output()
+    out = loop.output()
+    assert "to run: agent_rl, agent_export, simulator_eval, agent_eval" in out, out
+    assert "stage agent_rl: resuming" in out, out
+    log = (loop.run_dir / "agent_rl" / "stage.log").read_text()
+    assert f"resuming from {checkpoints} (iteration {stopped})" in log, log[-3000:]
+    assert not loop.wait_gone(30), loop.processes()
+
+
+def test_the_agent_was_trained_against_the_served_simulator_and_the_summary_says_so(loop):
+    agent = record(loop, "agent_rl")
+    assert agent["status"] == "done" and len(agent["history"]) == 1, agent  # the killed attempt left no history
+    requests = agent["figures"]["user_requests"]["simulator_server"]
+    assert requests >= 3 * 2 * 4, agent  # >= 1 user turn per episode of the resumed steps (2 tasks x 4 rollouts)
+    options = json.loads(agent["command"][agent["command"].index("--user-model-options") + 1])
+    served = record(loop, "simulator_server")
+    assert options["base_url"] == served["outputs"]["endpoint"][0] and options["model"] == "mimesis-sim", agent
+    assert served["command"][served["command"].index("--model") + 1] == str(loop.run_dir / "simulator_export" / "hf")
+    summary = (loop.run_dir / "summary.md").read_text()
+    assert re.search(r"^\| agent_rl \| rl_agent \| done \| reward_mean .* \(3 steps\); \d+ requests answered by "
+                     r"simulator_server \|", summary, re.M), summary
+    assert "| sft |" in summary and "| simulator_rl |" in summary and "NLL/token" in summary, summary
+    assert re.search(r"^\| before \| [\d.]+ \| [\d.]+ \|", summary, re.M), summary  # the agents x users table
+    results = json.loads((loop.run_dir / "agent_eval" / "report" / "results.json").read_text())
+    assert {"before", "after"} <= set(json.dumps(results).split('"')), results
+
+
+def test_a_run_after_completion_does_nothing(loop):
+    assert loop.start().wait(300) == 0
+    out = loop.output()
+    assert "every stage is done, nothing to run" in out and not re.search("^stage ", out, re.M), out
+    assert not loop.wait_gone(5), loop.processes()
