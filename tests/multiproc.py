@@ -227,3 +227,12 @@ def processes_with_env(name: str, value: str) -> dict[int, dict]:
         rss_kb = int(status.get("VmRSS", "0 kB").split()[0])
         found[int(entry)] = {"ppid": int(status["PPid"]), "cmdline": cmdline, "rss_mb": rss_kb / 1024}
     return found
+
+
+def kill_all(pids) -> None:
+    """SIGKILL each of ``pids`` that is still alive (a failed test must not leak 1 GB ranks or a server)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return runner.run(only=[args.stage])
     from megatron_mimesis.pipeline.slurm import submit
 
-    return submit(resolution, dry_run=args.dry_run)
+    try:
+        return submit(resolution, dry_run=args.dry_run)
+    except definitions.PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

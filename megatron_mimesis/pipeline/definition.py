@@ -84,11 +84,6 @@ class Definition:
     run_dir: Path
     stages: dict[str, Stage] = field(default_factory=dict)
 
-    def stage(self, name: str) -> Stage:
-        if name not in self.stages:
-            raise PipelineError(f"{self.path}: no stage {name!r} (stages: {', '.join(self.stages)})")
-        return self.stages[name]
-
     def needs_of(self, name: str) -> list[str]:
         return list(dict.fromkeys(self.stages[name].handoffs().values()))
 

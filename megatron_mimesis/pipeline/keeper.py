@@ -69,12 +69,7 @@ def main(argv: list[str]) -> int:
 
     for signum in (*STOP_SIGNALS, signal.SIGUSR1):
         signal.signal(signum, forward)
-    while True:
-        try:
-            status = child.wait()
-            break
-        except InterruptedError:
-            continue
+    status = child.wait()  # the handlers run in between; the wait resumes after each (PEP 475)
     # the command is done; its group may still hold processes it left (a server's engine, a rank's helper)
     reap_group(child.pid, float(grace_s) if stopping else 5.0)
     return status if status >= 0 else 128 - status

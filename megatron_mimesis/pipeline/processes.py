@@ -36,11 +36,7 @@ class Child:
             self.proc.send_signal(signum)
 
     def wait(self) -> int:
-        while True:
-            try:
-                return self.proc.wait()
-            except InterruptedError:
-                continue
+        return self.proc.wait()
 
     def stop(self) -> int:
         self.signal(signal.SIGTERM)

@@ -41,6 +41,7 @@ class Runner:
         self.slurm = slurm
         self.servers: dict[str, Child] = {}
         self.current: Child | None = None
+        self._current_name: str | None = None
         self.signalled: int | None = None
 
     # ------------------------------------------------------------------ signals
@@ -53,8 +54,6 @@ class Runner:
         # other stage would die of it, and its job ends at the limit either way
         if self.current is not None and (signum != signal.SIGUSR1 or self._current_name in self._training):
             self.current.signal(signum)
-
-    _current_name: str | None = None
 
     @property
     def _training(self) -> set[str]:
@@ -218,7 +217,7 @@ class Runner:
         figures = self._figures(resolved, counted)
         resolved.recorded = manifest.write(directory, {**record, "status": "done", "figures": figures,
                                                        "wall_s": previous_wall + wall, "history": history})
-        say(f"stage {stage.name}: done in {summary._wall(previous_wall + wall)}"
+        say(f"stage {stage.name}: done in {summary.wall_text(previous_wall + wall)}"
             + (f": {figures['line']}" if figures.get("line") else ""))
         return 0
 

@@ -62,7 +62,7 @@ def stage_args(resolution: Resolution, name: str) -> list[str]:
     return [str(definition.path.resolve()), name, f"--run-dir={definition.run_dir}", *given]
 
 
-def submit(resolution: Resolution, dry_run: bool = False, sbatch: str = "sbatch") -> int:
+def submit(resolution: Resolution, dry_run: bool = False) -> int:
     definition = resolution.definition
     jobs: dict[str, str] = {}  # stage -> job id (or its placeholder in a dry run)
     readers: dict[str, list[str]] = {}
@@ -83,7 +83,7 @@ def submit(resolution: Resolution, dry_run: bool = False, sbatch: str = "sbatch"
             else:
                 after_ok.append(jobs[ref])
         dependency = ",".join([*(f"afterok:{j}" for j in after_ok), *(f"after:{j}" for j in after)])
-        argv = [sbatch, "--parsable", *job_options(resolution, name),
+        argv = ["sbatch", "--parsable", *job_options(resolution, name),
                 *([f"--dependency={dependency}", "--kill-on-invalid-dep=yes"] if dependency else []),
                 str(STAGE_SBATCH), *stage_args(resolution, name)]
         jobs[name] = _submit(argv, name, dry_run)
@@ -95,7 +95,7 @@ def submit(resolution: Resolution, dry_run: bool = False, sbatch: str = "sbatch"
             print(f"   memory plan: {resolved.plan_line}")
         print(f"   {shlex.join(argv)}")
     for server, names in readers.items():
-        argv = [sbatch, "--parsable", f"--job-name=mimesis-{definition.name}-{server}-release",
+        argv = ["sbatch", "--parsable", f"--job-name=mimesis-{definition.name}-{server}-release",
                 f"--output={definition.run_dir}/{server}/slurm-release-%j.out",
                 f"--dependency=afterany:{':'.join(jobs[n] for n in names)}", "--time=00:05:00",
                 f"--wrap=scancel {jobs[server]}"]

@@ -9,7 +9,7 @@ through ``tools/``.
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_mimesis.pipeline.definition import INPUT, PipelineError, Stage
@@ -56,7 +56,6 @@ class Output:
     preset: object = None
     endpoint: tuple[str, str] | None = None  # (base URL, model), once served
     log_dir: Path | None = None
-    extra: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         return {"kind": self.kind, "path": str(self.path) if self.path else None,

@@ -26,7 +26,7 @@ def training_figures(kind: str, log_dir: Path, python: str) -> str:
     return lines[-1] if lines else f"no figures ({metrics})"
 
 
-def _wall(seconds) -> str:
+def wall_text(seconds) -> str:
     if seconds is None:
         return ""
     seconds = int(round(seconds))
@@ -47,7 +47,7 @@ def render(resolution: Resolution, total_wall_s: float | None = None) -> str:
             text += ("; " if text else "") + ", ".join(f"{n:.0f} requests answered by {server}"
                                                        for server, n in figures["user_requests"].items())
         rows.append(f"| {name} | {stage.kind} | {status} | {text.replace('|', '/')} | "
-                    f"{_wall(record.get('wall_s'))} |")
+                    f"{wall_text(record.get('wall_s'))} |")
         table = stage_dir(definition.run_dir, stage) / "report" / "table.md"
         if stage.kind.startswith("eval_") and table.is_file():
             tables.append(f"### {name} ({table})\n\n{table.read_text().strip()}")
@@ -56,7 +56,7 @@ def render(resolution: Resolution, total_wall_s: float | None = None) -> str:
             tables.append(f"### {name}, per domain ({domains})\n\n{domains.read_text().strip()}")
     head = f"## pipeline {definition.name} ({definition.run_dir})"
     if total_wall_s is not None:
-        head += f": this run {_wall(total_wall_s)}"
+        head += f": this run {wall_text(total_wall_s)}"
     return "\n\n".join([head, "\n".join(rows), *tables]) + "\n"
 
 

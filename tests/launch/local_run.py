@@ -3,14 +3,13 @@ dataset, marked with an environment variable so that the test finds every proces
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-from tests.multiproc import processes_with_env
+from tests.multiproc import kill_all, processes_with_env
 from tests.training.conftest import REPO, SEQ_LENGTH, VOCAB
 
 MARKER = "MIMESIS_TEST_RUN"
@@ -82,12 +81,8 @@ class LocalRun:
         return [r["iteration"] for r in map(json.loads, lines) if r.get("split") != "valid"]
 
     def kill_leftovers(self) -> None:
-        """SIGKILL whatever of this run is still alive (a failed test must not leak 1 GB ranks)."""
-        for pid in self.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL whatever of this run is still alive."""
+        kill_all(self.processes())
 
     def latest(self) -> int | None:
         path = self.save / "latest"

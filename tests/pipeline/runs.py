@@ -3,7 +3,6 @@ variable so that a test finds every process of it (keepers, launchers, torchrun,
 engine) and only those; the pipeline itself runs in ``.venv`` (its server, in ``.venv-vllm``, as the demo's)."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.multiproc import processes_with_env
+from tests.multiproc import kill_all, processes_with_env
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "MIMESIS_TEST_PIPELINE"
@@ -76,11 +75,7 @@ class PipelineRun:
         return alive
 
     def kill_leftovers(self) -> None:
-        for pid in self.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(self.processes())
 
 
 def latest(save: Path) -> int:

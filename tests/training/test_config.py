@@ -23,6 +23,16 @@ def test_yaml_then_flags_override(tmp_path):
     assert config.preset.hidden_size == 128 and config.preset.vocab_size == 1024
 
 
+def test_an_empty_flag_unsets_an_optional_option_of_the_yaml(tmp_path):
+    """What the pipeline hands a stage replaces the start its config names (--load '' where it starts from HF)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny\nload: runs/x/checkpoints\nfinetune: true\n")
+    config, _ = parse_config(["--config", str(path), "--pretrained-hf", "/models/hf", "--load", "", "--no-finetune"])
+    assert (config.load, config.pretrained_hf, config.finetune) == (None, "/models/hf", False)
+    config, _ = parse_config(["--config", str(path), "--log-dir", ""])  # not optional: the empty value is kept
+    assert config.log_dir == ""
+
+
 def test_unknown_yaml_option_is_named(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lr: 1.0\nlearning_rate: 2.0\n")
