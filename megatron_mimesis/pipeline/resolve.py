@@ -179,9 +179,8 @@ def resolve(definition: Definition, slurm: bool = False, plans: bool = True) -> 
             if stage.kind in TRAINING:
                 layout = _layout(stage, slurm)
                 config = _training_config(stage, run_dir, inputs, layout)
-                for key in ("load",):
-                    if key in inputs:
-                        _check_model(stage, key, inputs[key], config.preset)
+                if "load" in inputs:
+                    _check_model(stage, "load", inputs["load"], config.preset)
                 _check_tokenizers(stage, inputs, config.preset)
                 if plans:
                     plan_line = _memory_plan(stage, config, layout)

@@ -187,11 +187,13 @@ class Runner:
                 self._endpoint(self.resolution.stages[server])
         counted = {s: served_requests(self.resolution.stages[s].output.endpoint[0]) for s in servers}
         argv, env = command(stage, self.resolution.definition.run_dir, resolved.inputs, self.python)
-        attempts = (resolved.recorded or {}).get("attempts", 0) + 1
+        earlier = resolved.recorded or {}
+        attempts, history = earlier.get("attempts", 0) + 1, earlier.get("history") or []  # attempts that ended
         record = {"stage": stage.name, "kind": stage.kind, "fingerprint": resolved.fingerprint,
                   "inputs": {key: {"stage": ref, "fingerprint": self.resolution.stages[ref].fingerprint,
                                    **resolved.inputs[key].record()} for key, ref in stage.handoffs().items()},
-                  "outputs": resolved.output.record(), "command": argv, "env": env, "attempts": attempts}
+                  "outputs": resolved.output.record(), "command": argv, "env": env, "attempts": attempts,
+                  "history": history}
         resolved.recorded = manifest.write(directory, {**record, "status": "running"})
         log = directory / "stage.log"
         say(f"stage {stage.name}: {'resuming' if attempts > 1 else 'running'} ({stage.kind}; log {log})")
@@ -201,13 +203,12 @@ class Runner:
         status = self.current.wait()
         self.current = self._current_name = None
         wall = round(time.monotonic() - started, 1)
-        previous_wall = sum(a.get("wall_s", 0) for a in (resolved.recorded.get("history") or []))
-        history = [*(resolved.recorded.get("history") or []), {"attempt": attempts, "exit": status, "wall_s": wall}]
+        previous_wall = sum(a["wall_s"] for a in history)
+        record["history"] = history = [*history, {"attempt": attempts, "exit": status, "wall_s": wall}]
         unfinished = self._finished(resolved) if status == 0 else None
         if status != 0 or unfinished or self.signalled:
             state = "interrupted" if self.signalled or unfinished else "failed"
-            resolved.recorded = manifest.write(directory, {**record, "status": state, "exit": status,
-                                                           "history": history})
+            resolved.recorded = manifest.write(directory, {**record, "status": state, "exit": status})
             tail = log_tail(log, 15)
             if state == "failed":
                 say(f"stage {stage.name}: failed (exit {status}); last lines of {log}:\n{tail}")
@@ -216,7 +217,7 @@ class Runner:
             return status or 1
         figures = self._figures(resolved, counted)
         resolved.recorded = manifest.write(directory, {**record, "status": "done", "figures": figures,
-                                                       "wall_s": previous_wall + wall, "history": history})
+                                                       "wall_s": previous_wall + wall})
         say(f"stage {stage.name}: done in {summary.wall_text(previous_wall + wall)}"
             + (f": {figures['line']}" if figures.get("line") else ""))
         return 0

@@ -56,7 +56,8 @@ def test_a_signal_stops_the_stage_it_reaches_and_the_next_run_resumes_it_then_do
         stage_log = (run_dir / "midtrain" / "stage.log").read_text()
         assert f"resuming from {run_dir / 'midtrain' / 'checkpoints'} (iteration {stopped})" in stage_log
         done = record(run_dir, "midtrain")
-        assert done["status"] == "done" and [a["exit"] for a in done["history"]][-1] == 0, done
+        assert done["status"] == "done" and [a["exit"] for a in done["history"]] == [128 + signal.SIGTERM, 0], done
+        assert done["wall_s"] == sum(a["wall_s"] for a in done["history"]), done  # both attempts' time
         assert done["figures"]["line"].endswith("(12 steps)"), done
         assert (run_dir / "agent_before" / "hf" / "config.json").is_file()
 
