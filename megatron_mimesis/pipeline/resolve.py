@@ -10,11 +10,11 @@ has vLLM. Then each stage's fingerprint (its kind, fields, arguments, config fil
 it reads) is compared with what its directory records, so outputs made from other inputs are never mixed.
 """
 
+import functools
 import hashlib
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from megatron_mimesis.pipeline.stages import (
     planned_output,
     sbatch_file,
     sbatch_layout,
+    server_python,
     stage_dir,
     training_flags,
 )
@@ -65,18 +66,22 @@ def _file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def _layout(stage: Stage, slurm: bool) -> tuple[int, int]:
-    """The job size a training stage's plan is made for: its SLURM file's under ``--slurm``, else this machine's
-    launch (NPROC, else the GPUs, else 2 CPU processes), as its launcher would start it (``launch/common.sh``;
-    GPUs are counted as it counts them: torch's count is the CPU shim's once megatron is loaded)."""
+@functools.cache
+def _visible_gpus() -> int:
+    """GPUs counted as ``launch/common.sh`` counts them (torch's count is the CPU shim's once megatron is loaded)."""
     try:
         listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         listing = ""
-    gpus = sum(line.startswith("GPU") for line in listing.splitlines())
+    return sum(line.startswith("GPU") for line in listing.splitlines())
+
+
+def _layout(stage: Stage, slurm: bool) -> tuple[int, int]:
+    """The job size a training stage's plan is made for: its SLURM file's in a chain, else this machine's launch
+    (NPROC, else the GPUs, else 2 CPU processes), as its launcher would start it."""
     if slurm:
         return sbatch_layout(sbatch_file(stage.kind)) or (1, 8)
-    return int(os.environ.get("NNODES", 1)), int(os.environ.get("NPROC") or gpus or 2)
+    return int(os.environ.get("NNODES", 1)), int(os.environ.get("NPROC") or _visible_gpus() or 2)
 
 
 def _training_config(stage: Stage, run_dir: Path, inputs: dict[str, Output], layout: tuple[int, int]):
@@ -142,16 +147,22 @@ def _check_tokenizers(stage: Stage, inputs: dict[str, Output], preset) -> None:
     for key, source in inputs.items():
         if preset is None or source.tokenizer is None or not (source.tokenizer / "tokenizer.json").is_file():
             continue
-        from transformers import PreTrainedTokenizerFast
-
-        size = len(PreTrainedTokenizerFast(tokenizer_file=str(source.tokenizer / "tokenizer.json")))
+        size = _tokenizer_size(source.tokenizer)
         if size > preset.vocab_size:
             raise PipelineError(f"{stage.where}.{key}: tokenizer {source.tokenizer} has {size} tokens, more than the "
                                 f"{preset.vocab_size} of model {preset.name}: a tokenizer of another model")
 
 
+@functools.cache
+def _tokenizer_size(directory: Path) -> int:
+    """Tokens of a tokenizer, read once per directory (a chain's stages share one; Qwen's takes seconds to load)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return len(PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json")))
+
+
 def check_server_python(stage: Stage) -> None:
-    python = str(stage.fields.get("python") or sys.executable)
+    python = server_python(stage)
     try:
         found = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"],
                                capture_output=True, timeout=60).returncode == 0

