@@ -23,13 +23,13 @@ install_third_party = if [ -d $(THIRD_PARTY)/UserRL/gyms ]; then \
 		$(addprefix -e $(1)/third_party/,$(USERRL_GYMS)); \
 	else echo "note: no $(THIRD_PARTY)/UserRL: UserRL's gyms not installed (their tests skip)"; fi
 
-.PHONY: venv venv-vllm test test-fast demo pipeline lint bench bench-engines
+.PHONY: venv venv-vllm test test-fast demo pipeline lint bench bench-engines slurm slurm-stop
 
 $(STAMP): setup.py constraints.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,envs,userrl]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,envs,userrl,wandb]"
 	$(call install_third_party,$(VENV))
 	touch $(STAMP)
 
@@ -77,3 +77,12 @@ bench: $(STAMP)
 
 bench-engines: $(VLLM_STAMP)
 	$(VLLM_PY) tools/bench_engines.py
+
+# A private SLURM cluster on this machine (4 nodes x 2 CPUs, its own munge key and ports; Debian's slurm-wlm, as root)
+# to try the cluster path with the shipped sbatch files: it prints the SLURM_CONF to export.
+SLURM_DIR ?= runs/local-slurm
+slurm: $(STAMP)
+	$(PY) tools/local_slurm.py start --dir $(SLURM_DIR)
+
+slurm-stop: $(STAMP)
+	$(PY) tools/local_slurm.py stop --dir $(SLURM_DIR)

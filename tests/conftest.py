@@ -70,6 +70,16 @@ def qwen3_tokenizer(tiny_dataset, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A private SLURM cluster of 4 nodes x 2 CPUs (tests/slurm_cluster.py), shared by the tests of this process."""
+    from tests.slurm_cluster import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture
 def checkout_untouched():
     """Fails the test, after it ran, when ``git status`` of the checkout changed: a benchmark or tool run by the
