@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Shared body of launch/midtrain.sh and launch/sft.sh; they set the stage-specific variables and call
 # `launch "$@"`. One script covers three places so the command that runs on the cluster is the one tested:
-#   SLURM (SLURM_JOB_ID set)  one torchrun per node via srun, rendezvous at the first host of the job;
+#   SLURM (SLURM_JOB_ID set)  one torchrun per node via srun, rendezvous at the first host of the job; a rank per
+#                             GPU, or on a node without GPUs (a CPU partition) a gloo rank per task SLURM allocates;
 #   local, GPUs or CPU        one torchrun --standalone (CPU: 2 gloo processes);
 #   embedded demo             local + no GPU + no CONFIG: build the demo data, train, plot the loss and print the
 #                             run's summary line (first-10 / last-10 step means, wall time).
@@ -95,6 +96,39 @@ set_cpu_env() {
   env_names=(OMP_NUM_THREADS)
 }
 
+# A CPU node of a SLURM job (a CPU partition, where a setup is tried before GPU hours are spent): gloo ranks as on a
+# laptop, one per task SLURM allocates on the node, each with its share of the node's CPUs, and gloo on the interface
+# of the default route (across nodes, as NCCL's would be).
+set_slurm_cpu_env() {
+  local cores="${SLURM_CPUS_ON_NODE:-$(nproc)}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cores / gpus_per_node > 0 ? cores / gpus_per_node : 1))}"
+  if [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+    local gloo_ifname
+    gloo_ifname="$(NCCL_SOCKET_IFNAME="" gloo_interface)"
+    if [[ -n "$gloo_ifname" ]]; then export GLOO_SOCKET_IFNAME="$gloo_ifname"; fi
+  fi
+  env_names=(OMP_NUM_THREADS GLOO_SOCKET_IFNAME)
+}
+
+# Tasks per node of the allocation (SLURM_NTASKS_PER_NODE, else the first count of SLURM_TASKS_PER_NODE, "2(x4)"):
+# the ranks of a CPU node.
+slurm_tasks_per_node() {
+  local tasks="${SLURM_NTASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-1}}"
+  echo "${tasks%%[(,]*}"
+}
+
+# The address of a node of the job: its name where that resolves, else the address SLURM itself reaches it at
+# (NodeAddr), so that the rendezvous works on clusters whose node names are not in DNS.
+node_address() {
+  local name="$1" address
+  if getent hosts "$name" >/dev/null 2>&1; then
+    echo "$name"
+    return
+  fi
+  address="$(sinfo --noheader --Node --nodes="$name" --format=%o 2>/dev/null | head -n 1)" || true
+  echo "${address:-$name}"
+}
+
 # Trainer flags from the environment. Where a run starts is the trainer's one rule (TrainConfig.resolve_start): a
 # `save` directory holding a checkpoint is resumed (a requeued job), whatever the config or PRETRAINED_HF say.
 add_env_flags() {
@@ -135,6 +169,8 @@ print_dry_run() {
   if ((in_slurm)); then
     echo "${srun_cmd[*]:0:${#srun_cmd[@]}-1} \"\$PER_NODE\""
     echo "PER_NODE=${node_cmd}"
+    echo "rendezvous: a store the batch shell holds on $MASTER_ADDR:${MASTER_PORT:-PORT} for the job step" \
+      "(PORT: one free on $MASTER_ADDR when the job starts, unless MASTER_PORT is exported)"
     echo "on SIGUSR1 (sbatch --signal=B:USR1@...): forwarded to the trainer, which saves; then scontrol requeue"
   else
     quote_cmd "${torchrun_cmd[@]}"
@@ -182,20 +218,79 @@ elif record.get("error"):
 # forward it (srun relays it to every task: the torchrun agents, which pass it on to the trainer ranks),
 # wait for the save, and requeue the job.
 run_srun() {
-  local srun_pid status=0 requeue=0
+  local srun_pid store_pid status=0 requeue=0 said=0
+  if ((early_usr1)); then
+    echo "SIGUSR1 before the ranks started: nothing to save; requeueing job $SLURM_JOB_ID" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    return 0
+  fi
+  start_rendezvous_store
   "${srun_cmd[@]}" &
   srun_pid=$!
   trap 'requeue=1; echo "SIGUSR1: asking the trainer to checkpoint and stop" >&2; kill -USR1 "$srun_pid"' USR1
+  # SIGTERM (scancel, an administrator's requeue, the end of the time limit) reaches every process of the job, the
+  # ranks save on it: the batch shell waits for srun rather than dying first, so that the store outlives the agents
+  trap 'echo "SIGTERM: the ranks save and stop" >&2' TERM
+  if ((early_usr1)); then kill -USR1 "$srun_pid"; requeue=1; fi  # it came while srun was being started
   while true; do
     wait "$srun_pid" && status=0 || status=$?
     kill -0 "$srun_pid" 2>/dev/null || break
   done
-  trap - USR1
-  if ((requeue)); then
+  trap - USR1 TERM
+  kill -KILL "$store_pid" 2>/dev/null || true
+  launch_status "$status" "$record" || said=$?
+  if ((requeue)); then  # last: the requeue ends this batch shell
     echo "requeueing job $SLURM_JOB_ID" >&2
     scontrol requeue "$SLURM_JOB_ID"
   fi
-  launch_status "$status" "$record"
+  return "$said"
+}
+
+# The torchrun agents' rendezvous store: a TCPStore server on this, the job's first node, for as long as the job step
+# runs (the batch shell ends it after srun; SLURM ends it with the job). Its port is MASTER_PORT when exported, else
+# one the kernel finds free on the node (a port derived from the job id can be in use: Linux hands out ports of the
+# same range to outgoing connections); then the srun command is made with it.
+start_rendezvous_store() {
+  local port_file
+  port_file="$(mktemp)"
+  # it ignores the SIGTERM with which SLURM ends a job's processes (a cancel, a requeue): the agents still talk to it
+  # while their ranks save; the batch shell kills it once srun has ended
+  "$PYTHON" -c 'import datetime, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from torch.distributed import TCPStore
+store = TCPStore("0.0.0.0", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                 timeout=datetime.timedelta(days=30))
+with open(sys.argv[2], "w") as f:
+    f.write(f"{store.port}\n")
+while True:
+    signal.pause()' "${MASTER_PORT:-0}" "$port_file" 2>"$port_file.err" &
+  store_pid=$!
+  disown "$store_pid"  # its end (kill -KILL) is no news to report
+  until [[ -s "$port_file" ]]; do
+    kill -0 "$store_pid" 2>/dev/null || die "the rendezvous store did not start on $(hostname):" \
+      "$(tail -n 1 "$port_file.err")"
+    sleep 0.2
+  done
+  export MASTER_PORT="$(<"$port_file")"
+  rm -f "$port_file" "$port_file.err"
+  slurm_commands
+}
+
+# The per-node torchrun and the srun that starts one on every node of the job. The nodes meet at the store that the
+# batch shell holds for the whole job step (start_rendezvous_store), not at one that node 0's torchrun holds: that one
+# exits as soon as its exit barrier passes while the other nodes' are still reading it, and every multi-node run
+# ended with their tracebacks (pytorch issue 69520).
+slurm_commands() {
+  node_cmd="$(quote_cmd "$PYTHON" -m megatron_mimesis.torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-PORT}" --rdzv-id "$SLURM_JOB_ID" \
+    --rdzv-conf is_host=false "${signals[@]}" "${trainer[@]}")"
+  # Job steps do not inherit the job's CPUs per task (Slurm >= 22.05): without this, each node's torchrun
+  # and its ranks could be bound to a single core.
+  local cpus=()
+  if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
+  srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=1
+    bash -c "$node_cmd")
 }
 
 run_demo_data() {
@@ -270,24 +365,20 @@ launch() {
     local hosts
     mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}")
     ((${#hosts[@]} > 0)) || die "scontrol show hostnames $SLURM_JOB_NODELIST gave no hosts"
-    export MASTER_ADDR="${MASTER_ADDR:-${hosts[0]}}"
-    export MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 40000))}"
+    export MASTER_ADDR="${MASTER_ADDR:-$(node_address "${hosts[0]}")}"
     export NNODES="${NNODES:-${SLURM_NNODES:-${#hosts[@]}}}"
-    export GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$gpus}}"
-    ((GPUS_PER_NODE > 0)) || die "no GPUs found on $(hostname); set GPUS_PER_NODE"
-    gpus_per_node="$GPUS_PER_NODE"
-    set_gpu_env
+    local allocated="${SLURM_GPUS_ON_NODE:-0}"
+    if ((allocated > 0 || gpus > 0)); then
+      export GPUS_PER_NODE="${GPUS_PER_NODE:-${NPROC:-$((allocated > 0 ? allocated : gpus))}}"
+      gpus_per_node="$GPUS_PER_NODE"
+      set_gpu_env
+    else  # a CPU node (no GPU allocated or visible): gloo ranks, one per allocated task unless NPROC says otherwise
+      export GPUS_PER_NODE="${GPUS_PER_NODE:-${NPROC:-$(slurm_tasks_per_node)}}"
+      gpus_per_node="$GPUS_PER_NODE"
+      set_slurm_cpu_env
+    fi
     world_size=$((NNODES * GPUS_PER_NODE))
-    # The node rank is each srun task's own SLURM_NODEID, so it is expanded on the node, not here.
-    node_cmd="$(quote_cmd "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" \
-      --nproc-per-node "$GPUS_PER_NODE") --node-rank \"\$SLURM_NODEID\" $(quote_cmd --master-addr \
-      "$MASTER_ADDR" --master-port "$MASTER_PORT" "${signals[@]}" "${trainer[@]}")"
-    # Job steps do not inherit the job's CPUs per task (Slurm >= 22.05): without this, each node's torchrun
-    # and its ranks could be bound to a single core.
-    local cpus=()
-    if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
-    srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=1
-      bash -c "$node_cmd")
+    slurm_commands  # made again once the rendezvous store has its port (start_rendezvous_store)
   else
     local nproc="${NPROC:-${GPUS_PER_NODE:-$((gpus > 0 ? gpus : 2))}}"
     export NNODES="${NNODES:-1}"
@@ -300,7 +391,7 @@ launch() {
         --master-addr "${MASTER_ADDR:?set MASTER_ADDR for a multi-node run without SLURM}"
         --master-port "${MASTER_PORT:-29500}")
     fi
-    torchrun_cmd=("$PYTHON" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node "$nproc"
+    torchrun_cmd=("$PYTHON" -m megatron_mimesis.torchrun "${rendezvous[@]}" --nproc-per-node "$nproc"
       "${signals[@]}" "${trainer[@]}")
   fi
 
@@ -311,6 +402,10 @@ launch() {
   record="$(exit_record)"
   rm -f "$record"
   if ((in_slurm)); then
+    # SLURM's pre-timeout signal may come before srun starts (a short limit, a slow start): noted, so that the batch
+    # shell does not die of it; with nothing trained yet, the job is then requeued as it is (run_srun)
+    early_usr1=0
+    trap 'early_usr1=1' USR1
     check_config
     run_srun
     return

@@ -58,7 +58,7 @@ class LocalRun:
         return processes_with_env(MARKER, self.marker)
 
     def torchrun(self) -> int:
-        (pid,) = [p for p, info in self.processes().items() if "-m torch.distributed.run" in info["cmdline"]]
+        (pid,) = [p for p, info in self.processes().items() if "-m megatron_mimesis.torchrun" in info["cmdline"]]
         return pid
 
     def ranks(self) -> list[int]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_ID = 4242
-MASTER_PORT = 20000 + JOB_ID % 40000
 
 FAKE_SCONTROL = """#!/bin/bash
 if [[ "$1 $2" == "show hostnames" ]]; then printf 'node001\\nnode002\\nnode003\\nnode004\\n'; exit 0; fi

@@ -2,17 +2,16 @@
 
 import json
 import re
-import signal
 import subprocess
 import sys
-import time
 
+from megatron_mimesis.pipeline.processes import free_port
 from tests.checkpoints import small_checkpoint
-from tests.launch.slurm import FAKE_SRUN_WAITING, JOB_ID, MASTER_PORT, REPO, run, slurm_env, trainer_json, write_exe
+from tests.launch.slurm import JOB_ID, REPO, run, slurm_env, trainer_json, write_exe
 
 # Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
 FAKE_PYTHON = f"""#!/bin/bash
-if [[ "$1 $2" == "-m torch.distributed.run" ]]; then echo "TORCHRUN $*"; exit 0; fi
+if [[ "$1 $2" == "-m megatron_mimesis.torchrun" ]]; then echo "TORCHRUN $*"; exit 0; fi
 exec {sys.executable} "$@"
 """
 
@@ -23,8 +22,9 @@ def test_slurm_dry_run_has_paper_layout(fake):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=64" in out
-    assert (f'--nnodes 4 --nproc-per-node 8 --node-rank "$SLURM_NODEID" --master-addr node001 '
-            f"--master-port {MASTER_PORT}") in out
+    assert (f"--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node001:PORT "
+            f"--rdzv-id {JOB_ID} --rdzv-conf is_host=false") in out
+    assert "rendezvous: a store the batch shell holds on node001:PORT for the job step (PORT: one free" in out
     assert "--config launch/configs/midtrain_9b.yaml" in out
     assert "MASTER_ADDR=node001" in out and "CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     resolved = trainer_json(out)
@@ -100,7 +100,7 @@ def test_local_dry_run_without_gpu_is_the_demo(fake):
                  {**env, "DATA_PATH": str(tmp_path / "demo"), "SAVE": str(tmp_path / "save")})
     assert result.returncode == 0, result.stderr
     command = result.stdout.splitlines()[1]
-    assert command.startswith(f"{sys.executable} -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2")
+    assert command.startswith(f"{sys.executable} -m megatron_mimesis.torchrun --standalone --nnodes 1 --nproc-per-node 2")
     assert "--config launch/configs/demo_midtrain.yaml --train-iters 20" in command
     assert "OMP_NUM_THREADS=1" in result.stdout
     resolved = trainer_json(result.stdout)
@@ -111,14 +111,16 @@ def test_slurm_launch_runs_one_torchrun_per_node(fake):
     tmp_path, env = fake
     fake_python = write_exe(tmp_path / "bin" / "python-fake", FAKE_PYTHON)
     # midtrain: sft_9b.yaml loads the mid-training checkpoint, which the launcher's config check finds missing here
-    result = run("midtrain.sh", ["--lr", "2e-5"],
-                 {**slurm_env(env, tmp_path), "SLURM_NNODES": "1", "PYTHON": str(fake_python)})
+    port = free_port()  # the batch shell's rendezvous store listens there while srun runs
+    result = run("midtrain.sh", ["--lr", "2e-5"], {**slurm_env(env, tmp_path), "SLURM_NNODES": "1",
+                                                    "PYTHON": str(fake_python), "MASTER_PORT": str(port)})
     assert result.returncode == 0, result.stderr
     srun_args = (tmp_path / "log" / "srun").read_text().splitlines()
     assert srun_args[:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=64",
                              "--kill-on-bad-exit=1"]
     torchrun = result.stdout.strip()
-    assert torchrun.startswith("TORCHRUN -m torch.distributed.run --nnodes 1 --nproc-per-node 8 --node-rank 3 ")
+    assert torchrun.startswith("TORCHRUN -m megatron_mimesis.torchrun --nnodes 1 --nproc-per-node 8 --rdzv-backend c10d "
+                               f"--rdzv-endpoint node001:{port} --rdzv-id {JOB_ID} --rdzv-conf is_host=false ")
     assert torchrun.endswith(f"--config launch/configs/midtrain_9b.yaml --lr 2e-5 --data-path {tmp_path / 'data9b'}")
 
 
@@ -128,23 +130,6 @@ def test_slurm_launch_refuses_a_bad_config_before_srun(fake):
     assert result.returncode == 2
     assert result.stderr == "error: lr must be greater than 0, got -1\n" and result.stdout == ""
     assert not (tmp_path / "log" / "srun").exists() and not (tmp_path / "log" / "scontrol").exists()
-
-
-def test_sigusr1_is_forwarded_and_the_job_requeued(fake):
-    tmp_path, env = fake
-    write_exe(tmp_path / "bin" / "srun", FAKE_SRUN_WAITING)
-    log = tmp_path / "log"
-    proc = subprocess.Popen(["bash", "launch/midtrain.sh"], cwd=REPO, env=slurm_env(env, tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120  # the config check before srun plans the 9B run's memory first
-    while not (log / "srun_started").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 0, stderr
-    assert (log / "srun_signals").read_text().split() == ["USR1"]
-    assert (log / "scontrol").read_text().split() == ["requeue", str(JOB_ID)]
 
 
 def test_rl_simulator_dry_run_runs_the_rl_entry_point(fake):
@@ -228,7 +213,7 @@ def test_rl_agent_local_dry_run_without_gpu_is_the_toy_demo(fake):
 
 # The demo's torchrun writes the metrics of a run into the --log-dir it was given; the data build is skipped.
 FAKE_DEMO_PYTHON = f"""#!/bin/bash
-if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+if [[ "$1 $2" == "-m megatron_mimesis.torchrun" ]]; then
   for ((i = 1; i < $#; i++)); do if [[ "${{!i}}" == --log-dir ]]; then j=$((i + 1)); log="${{!j}}"; fi; done
   mkdir -p "$log" && cp "$FAKE_METRICS" "$log/metrics.jsonl"; exit 0
 fi
@@ -259,7 +244,7 @@ def test_the_demo_plots_and_summarises_the_log_dir_it_was_given(fake):
 
 # torchrun after a preemption: the rank may have written its record of the stop (FAKE_RECORD), then torchrun fails
 FAKE_PREEMPTED_PYTHON = f"""#!/bin/bash
-if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+if [[ "$1 $2" == "-m megatron_mimesis.torchrun" ]]; then
   if [[ -n "$FAKE_RECORD" ]]; then printf '%s' "$FAKE_RECORD" > "$LOG_DIR/exit.json"; fi
   echo "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 15" >&2
   exit 1
