@@ -22,8 +22,11 @@ then increments once per parameter per step, so the bias correction after a resu
 """
 
 import json
+import re
 import shutil
 import sys
+import time
+import warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -36,6 +39,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
+from tqdm import tqdm
 
 from megatron_mimesis.checkpoint import optimizer_state, retention
 from megatron_mimesis.checkpoint.integrity import record_files, verify_files, verify_written
@@ -194,7 +198,8 @@ class CheckpointSaver:
         state = _sharded_state_dict(model_chunks, optimizer, scheduler, progress, is_loading=False, rng=True)
         with self._failures_raised(iteration):
             request = save_request(state, tmp, forked=self._calls is not None, parallel_group=_data_parallel_group())
-            request.add_finalize_fn(partial(self._publish, tmp, iteration, run_config, tokenizer_dir))
+            request.add_finalize_fn(partial(self._publish, tmp, iteration, run_config, tokenizer_dir,
+                                            time.monotonic()))
             if self._calls is None:
                 request.execute_sync()
             else:
@@ -219,7 +224,7 @@ class CheckpointSaver:
                 if blocking or not self._calls.get_num_unfinalized_calls():
                     self._writing = None
 
-    def _publish(self, tmp: Path, iteration: int, run_config: dict, tokenizer_dir) -> None:
+    def _publish(self, tmp: Path, iteration: int, run_config: dict, tokenizer_dir, started: float) -> None:
         def publish_on_rank_zero():
             (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True))
             if tokenizer_dir is not None:
@@ -230,6 +235,9 @@ class CheckpointSaver:
             record_files(tmp)
             publish(tmp, self.root, iteration)
             self._retire_older(iteration)
+            # one line per save for the person reading the job's output (tqdm.write: below a progress bar, if any)
+            tqdm.write(f"saved checkpoint iteration {iteration} in {self.root} "
+                       f"({time.monotonic() - started:.1f} s after the save began)")
 
         _on_rank_zero(publish_on_rank_zero, self._failed(iteration))
 
@@ -346,7 +354,14 @@ def _parallel_load(state: dict, path: Path) -> dict:
     """megatron's fully parallel load of ``state`` from ``path``: each weight is read by one rank of the data-parallel
     group and broadcast to the others; what only one rank asks for (its optimizer shard) it reads itself."""
     strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), _data_parallel_group())
-    return dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
+    with warnings.catch_warnings():  # megatron reads the common state with DCP's single-process load, in the old
+        for notice in _COMMON_STATE_NOTICES:  # argument order: two warnings per rank at every load, about nothing
+            warnings.filterwarnings("ignore", message=re.escape(notice))
+        return dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
+
+
+_COMMON_STATE_NOTICES = ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load",
+                         "The argument order of load has been changed")
 
 
 def _resumable(root: str | Path) -> Path:

@@ -221,7 +221,7 @@ class RLLoop:
                       "padded_vocab_size": self.trainer.provider.padded_vocab_size}
         self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
                           progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,
-                          headline=self.headline)
+                          headline=self.headline, resumed_from=self.trainer.resumed_from)
         self.exit_signal = exit_signal = ExitSignal() if c.exit_signal_handler else None
 
         def save():

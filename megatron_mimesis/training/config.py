@@ -129,7 +129,9 @@ class TrainConfig:
     log_dir: str = "runs/demo"
     log_interval: int = 1
     wandb_project: str | None = None
-    progress: bool = True
+    progress: bool = field(default=True, metadata={"help": (
+        "a progress bar where stderr is a terminal; off, or without a terminal (a SLURM job's slurm-*.out, a "
+        "pipeline's stage log), one line every log_interval steps: step of total, loss, tokens/s, MFU, elapsed, ETA")})
     overwrite_save: bool = field(default=False, metadata={"help": (
         "start over in a save directory that already holds checkpoints, from the configured starting weights: the "
         "run's checkpoints replace those of the same iteration and `latest` moves to its own. Off by default: a "

@@ -267,6 +267,11 @@ class Trainer:
             return progress
         return fresh
 
+    @property
+    def resumed_from(self) -> str | None:
+        """The checkpoint directory this run continues (``load`` without ``finetune``), None for a start."""
+        return self.config.load if self.config.load and not self.config.finetune else None
+
     def run(self, tokenizer_sha256: str) -> int:
         """The supervised loop over the dataset whose manifest records ``tokenizer_sha256`` (saved with every
         checkpoint, so a later --load can tell whether its data was tokenized alike)."""
@@ -282,7 +287,7 @@ class Trainer:
         run_config = {"train": c.to_dict(), "preset": preset_record(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.provider.padded_vocab_size, TOKENIZER_SHA256: tokenizer_sha256}
         log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.is_logger, progress=c.progress,
-                     wandb_project=c.wandb_project, run_config=run_config)
+                     wandb_project=c.wandb_project, run_config=run_config, resumed_from=self.resumed_from)
         exit_signal = ExitSignal() if c.exit_signal_handler else None
         peak = peak_for_mfu(torch.cuda.get_device_name() if torch.cuda.is_available() else None, log.message)
         data_iterator = self.train_iterators
