@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from megatron_mimesis.checkpoint.conversion import import_from_hf
 from tests.launch.slurm import FAKE_SCONTROL, FAKE_SRUN, write_exe
 
 
@@ -23,3 +24,11 @@ def fake(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text(json.dumps({"seq_length": seq, "tokenizer": {"vocab_size": vocab}}))
     return tmp_path, env
+
+
+@pytest.fixture(scope="session")
+def imported(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny HF model as a dist checkpoint (weights only): what sft_9b.yaml and rl_simulator_9b.yaml load."""
+    out = tmp_path_factory.mktemp("imported") / "ckpt"
+    import_from_hf(tiny_hf_checkpoint, out, dtype="fp32", progress=False)
+    return out
