@@ -2,6 +2,7 @@
 
     run    [DEFINITION] [--run-dir DIR] [--given STAGE=PATH ...] [--check]   every stage here, in order
     submit [DEFINITION] [--run-dir DIR] [--given STAGE=PATH ...] [--dry-run] the stages as dependent SLURM jobs
+    status [DEFINITION] [--run-dir DIR]                                      a submitted chain: jobs, records, logs
     stage  DEFINITION STAGE [--run-dir DIR] [--given ...]                    one stage (what each SLURM job runs)
 
 DEFINITION defaults to launch/pipelines/demo.yaml (the tiny presets on CPU); launch/pipelines/paper.yaml is the
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {}
     for name, what in (("run", "run every stage here"), ("submit", "submit the stages as dependent SLURM jobs"),
+                       ("status", "a submitted chain: each stage's job, its state on the cluster, its record and log"),
                        ("stage", "run one stage (a SLURM job of the chain)")):
         commands[name] = p = sub.add_parser(name, help=what)
         p.add_argument("definition", nargs="?" if name != "stage" else None, type=Path, default=DEFAULT)
@@ -45,12 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     commands["run"].add_argument("--check", action="store_true", help="resolve and check every hand-off, run nothing")
     commands["submit"].add_argument("--dry-run", action="store_true",
                                     help="print every job (command, layout, dependency, memory plan), submit nothing")
+    commands["stage"].add_argument("--server-job", action="append", default=[], metavar="STAGE=JOB",
+                                   help="the job serving a server stage this stage reads (pipeline.sh submit passes "
+                                        "it): only that job's record is trusted")
     args = parser.parse_args(argv)
 
     from megatron_mimesis.compat import prepare_cpu_process
 
     prepare_cpu_process()
     from megatron_mimesis.pipeline import definition as definitions
+
+    if args.command == "status":  # reads the records and asks the cluster; resolves nothing
+        from megatron_mimesis.pipeline.slurm import status
+
+        try:
+            return status(definitions.load(args.definition, args.run_dir, _given(args.given)))
+        except definitions.PipelineError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     from megatron_mimesis.pipeline.resolve import resolve
     from megatron_mimesis.pipeline.runner import Runner
 
@@ -58,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     slurm = args.command == "submit" or (args.command == "stage" and bool(os.environ.get("SLURM_JOB_ID")))
     try:
         definition = definitions.load(args.definition, args.run_dir, _given(args.given))
-        resolution = resolve(definition, slurm=slurm)
+        # a stage job's plans were made at submit, and its launcher plans its own config again before srun
+        resolution = resolve(definition, slurm=slurm, plans=args.command != "stage")
     except definitions.PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -75,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if resolved is None:
             print(f"error: {definition.path}: no stage {args.stage!r}", file=sys.stderr)
             return 2
-        runner = Runner(resolution, slurm=slurm)
+        runner = Runner(resolution, slurm=slurm, server_jobs=_given(args.server_job))
         if resolved.stage.kind == "serve":
             return runner.serve_forever(args.stage)
         return runner.run(only=[args.stage])

@@ -25,7 +25,9 @@ INPUT = "input"  # a stage the user provides: {kind: input, provides: checkpoint
 # per kind: its fields, and for each hand-off field the outputs it accepts. A mapping field ({name: stage}) holds
 # several hand-offs (eval's simulators, agents and users); "literal" lets a user field name a user model directly
 # (scripted:toy, openai:URL@MODEL) instead of a stage.
-_COMMON = {"kind", "args", "slurm"}  # slurm: the job's request, over its sbatch file's (pipeline/slurm.py)
+_COMMON = {"kind", "args", "slurm"}  # slurm: the job's request, over its sbatch file's (stages.job_request)
+# a slurm field's keys (stages.SLURM_KEYS names the sbatch option of each)
+SLURM_FIELDS = ("nodes", "gpus_per_node", "ntasks_per_node", "time", "partition", "account")
 FIELDS = {
     "prep_midtrain": set(), "prep_sft": {"tokenizer"},
     "midtrain": {"config", "data", "load"}, "sft": {"config", "data", "load"},
@@ -83,6 +85,7 @@ class Definition:
     name: str
     run_dir: Path
     stages: dict[str, Stage] = field(default_factory=dict)
+    slurm: dict = field(default_factory=dict)  # every job's request, under each stage's own ``slurm``
 
     def needs_of(self, name: str) -> list[str]:
         return list(dict.fromkeys(self.stages[name].handoffs().values()))
@@ -104,6 +107,7 @@ def _check_stage(stage: Stage, earlier: dict[str, Stage]) -> None:
                             f"endpoint")
     if not isinstance(stage.fields.get("args", []), list):
         raise PipelineError(f"{stage.where}.args: a list of command-line words, not {stage.fields['args']!r}")
+    _check_slurm(stage.fields.get("slurm"), f"{stage.where}.slurm")
     if stage.given:
         return
     for key, accepts in HANDOFFS.items():
@@ -123,6 +127,20 @@ def _check_stage(stage: Stage, earlier: dict[str, Stage]) -> None:
                                     f"{' or '.join(a for a in accepts if a != 'literal')}")
 
 
+def _check_slurm(value, where: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise PipelineError(f"{where}: a mapping of {', '.join(SLURM_FIELDS)}, not {value!r}")
+    unknown = sorted(set(value) - set(SLURM_FIELDS))
+    if unknown:
+        raise PipelineError(f"{where}: {unknown} are not SLURM request fields ({', '.join(SLURM_FIELDS)})")
+    for key in ("nodes", "gpus_per_node", "ntasks_per_node"):
+        least = 0 if key == "gpus_per_node" else 1
+        if key in value and (not isinstance(value[key], int) or value[key] < least):
+            raise PipelineError(f"{where}.{key}: a whole number >= {least}, not {value[key]!r}")
+
+
 def load(path: str | Path, run_dir: str | Path | None = None, given: dict[str, str] | None = None) -> Definition:
     """The definition at ``path``, its run directory (``run_dir`` overrides the file's) and the stages the user
     replaces with their own outputs (``given``: stage name -> path, or ``URL@MODEL`` for a served endpoint)."""
@@ -135,11 +153,12 @@ def load(path: str | Path, run_dir: str | Path | None = None, given: dict[str, s
         raise PipelineError(f"{path}: not YAML ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("stages"), dict) or not data["stages"]:
         raise PipelineError(f"{path}: expected {{name, run_dir, stages: {{NAME: {{kind: ...}}}}}}")
-    unknown = sorted(set(data) - {"name", "run_dir", "stages"})
+    unknown = sorted(set(data) - {"name", "run_dir", "stages", "slurm"})
     if unknown:
-        raise PipelineError(f"{path}: unknown field(s) {unknown} (name, run_dir, stages)")
+        raise PipelineError(f"{path}: unknown field(s) {unknown} (name, run_dir, slurm, stages)")
+    _check_slurm(data.get("slurm"), f"{path}: slurm")
     run_dir = Path(run_dir or data.get("run_dir") or f"runs/pipeline-{path.stem}").resolve()
-    definition = Definition(path, str(data.get("name") or path.stem), run_dir)
+    definition = Definition(path, str(data.get("name") or path.stem), run_dir, slurm=dict(data.get("slurm") or {}))
     given = dict(given or {})
     for name, fields in data["stages"].items():
         where = f"{path}: stages.{name}"

@@ -76,12 +76,16 @@ def served_requests(base_url: str) -> float | None:
                if line.startswith("vllm:request_success_total"))
 
 
-def wait_ready(base_url: str, model: str, timeout_s: float, child: Child | None = None, what: str = "server") -> None:
-    """Until ``base_url`` serves ``model`` (``/v1/models``); a server that exits or stays silent is one line."""
+def wait_ready(base_url: str, model: str, timeout_s: float, child: Child | None = None, what: str = "server",
+               stopped=lambda: False) -> None:
+    """Until ``base_url`` serves ``model`` (``/v1/models``); a server that exits or stays silent is one line, and so
+    is a wait that ``stopped()`` ends (the pipeline got a signal meanwhile)."""
     import json
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stopped():
+            raise PipelineError(f"stopped by a signal while waiting for {what}")
         if child is not None and child.proc.poll() is not None:
             raise PipelineError(f"{what} exited with {child.proc.returncode} before it served {model}; "
                                 f"log {child.log}:\n{child.tail()}")

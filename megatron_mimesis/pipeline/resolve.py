@@ -26,9 +26,9 @@ from megatron_mimesis.pipeline.stages import (
     config_class,
     given_output,
     input_record,
+    job_request,
     planned_output,
-    sbatch_file,
-    sbatch_layout,
+    request_layout,
     server_python,
     stage_dir,
     training_flags,
@@ -76,11 +76,12 @@ def _visible_gpus() -> int:
     return sum(line.startswith("GPU") for line in listing.splitlines())
 
 
-def _layout(stage: Stage, slurm: bool) -> tuple[int, int]:
-    """The job size a training stage's plan is made for: its SLURM file's in a chain, else this machine's launch
-    (NPROC, else the GPUs, else 2 CPU processes), as its launcher would start it."""
+def _layout(stage: Stage, definition: Definition, slurm: bool) -> tuple[int, int]:
+    """The job size a training stage's plan is made for: in a chain, the request its job is submitted with (its SLURM
+    file's, under the definition's and the stage's ``slurm`` fields); else this machine's launch (NPROC, else the
+    GPUs, else 2 CPU processes), as its launcher would start it."""
     if slurm:
-        return sbatch_layout(sbatch_file(stage.kind)) or (1, 8)
+        return request_layout(job_request(stage, definition.slurm))
     return int(os.environ.get("NNODES", 1)), int(os.environ.get("NPROC") or _visible_gpus() or 2)
 
 
@@ -188,7 +189,7 @@ def resolve(definition: Definition, slurm: bool = False, plans: bool = True) -> 
                                 "stamp": _stamp(output)})
         else:
             if stage.kind in TRAINING:
-                layout = _layout(stage, slurm)
+                layout = _layout(stage, definition, slurm)
                 config = _training_config(stage, run_dir, inputs, layout)
                 if "load" in inputs:
                     _check_model(stage, "load", inputs["load"], config.preset)

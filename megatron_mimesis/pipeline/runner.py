@@ -9,11 +9,10 @@ and stop), the server is stopped and the stage is recorded as interrupted, to be
 
 import os
 import signal
-import socket
 import sys
 import time
 
-from megatron_mimesis.pipeline import manifest, summary
+from megatron_mimesis.pipeline import cluster, manifest, summary
 from megatron_mimesis.pipeline.definition import TRAINING, PipelineError
 from megatron_mimesis.pipeline.processes import (
     SERVER_GRACE_S,
@@ -35,10 +34,12 @@ def say(line: str) -> None:
 
 
 class Runner:
-    def __init__(self, resolution: Resolution, python: str = sys.executable, slurm: bool = False):
+    def __init__(self, resolution: Resolution, python: str = sys.executable, slurm: bool = False,
+                 server_jobs: dict[str, str] | None = None):
         self.resolution = resolution
         self.python = python
         self.slurm = slurm
+        self.server_jobs = server_jobs or {}  # a chain's server stage -> its job id (what the stage reads is its)
         self.servers: dict[str, Child] = {}
         self.current: Child | None = None
         self._current_name: str | None = None
@@ -69,17 +70,7 @@ class Runner:
         model = str(stage.fields["name"])
         directory = stage_dir(self.resolution.definition.run_dir, stage)
         if self.slurm:
-            deadline = time.monotonic() + timeout
-            say(f"stage {stage.name}: waiting up to {timeout:.0f} s for the server job to record its address")
-            while (record := manifest.read(directory)) is None or record.get("status") != "serving" or \
-                    record.get("fingerprint") != resolved.fingerprint:
-                if time.monotonic() > deadline:
-                    raise PipelineError(f"stage {stage.name}: no server recorded in {directory} within {timeout:.0f} s "
-                                        f"(is its job running?)")
-                time.sleep(10)
-            url = record["outputs"]["endpoint"][0]
-            wait_ready(url, model, max(deadline - time.monotonic(), 60), what=f"stage {stage.name}'s server")
-            output.endpoint = (url, model)
+            output.endpoint = (self._served_by_job(resolved, timeout), model)
             return
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1"
@@ -89,35 +80,98 @@ class Runner:
         child = Child(argv, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, directory / "stage.log",
                       SERVER_GRACE_S)
         self.servers[stage.name] = child
-        wait_ready(url, model, timeout, child, what=f"stage {stage.name}'s server")
+        wait_ready(url, model, timeout, child, what=f"stage {stage.name}'s server", stopped=self._stopped)
         output.endpoint = (url, model)
         resolved.recorded = manifest.write(directory, {
             "stage": stage.name, "kind": stage.kind, "fingerprint": resolved.fingerprint, "status": "serving",
             "outputs": output.record(), "command": argv, "ready_s": round(time.monotonic() - started, 1)})
         say(f"stage {stage.name}: ready in {time.monotonic() - started:.0f} s")
 
+    def _stopped(self) -> bool:
+        return self.signalled is not None
+
+    def _served_by_job(self, resolved: Resolved, timeout: float) -> str:
+        """A chain's reader of a server: the address that the server's own job (``--server-job``) recorded, once that
+        job serves. A record that another job left (a server of an earlier submission, since killed) is not
+        trusted; a server job that ended fails the stage at once. A server with less time left than this job is
+        requeued (it restarts with its whole time limit) and waited for again."""
+        stage = resolved.stage
+        directory = stage_dir(self.resolution.definition.run_dir, stage)
+        job = self.server_jobs.get(stage.name)
+        if job is None:
+            raise PipelineError(f"stage {stage.name}: no --server-job {stage.name}=JOB given (pipeline.sh submit "
+                                f"passes it to the stages that read a server)")
+        restarted = 0  # a record of an earlier start of the job (before a requeue) is not this start's
+        while True:
+            say(f"stage {stage.name}: waiting up to {timeout:.0f} s for server job {job} to serve")
+            record = self._job_record(directory, resolved.fingerprint, job, restarted, timeout)
+            url = record["outputs"]["endpoint"][0]
+            wait_ready(url, str(stage.fields["name"]), timeout, what=f"stage {stage.name}'s server (job {job})",
+                       stopped=self._stopped)
+            server = cluster.job_info(job)
+            own, theirs = cluster.remaining_s(cluster.job_info(os.environ.get("SLURM_JOB_ID"))), cluster.remaining_s(server)
+            if theirs is None or own is None or theirs >= own:
+                return url
+            limit = cluster.seconds(server.get("TimeLimit"))
+            if restarted or limit < own:  # a restart would not give it the time this job has
+                raise PipelineError(f"stage {stage.name}: server job {job} has a time limit of {server['TimeLimit']}, "
+                                    f"less than the {cluster.time_text(own)} this job has left: give the server a "
+                                    f"longer slurm time (without one it is the sum of its readers')")
+            say(f"stage {stage.name}: server job {job} has {cluster.time_text(theirs)} left, less than this job's "
+                f"{cluster.time_text(own)}: requeueing it (it restarts with its whole time limit)")
+            refused = cluster.requeue(job)
+            if refused:
+                raise PipelineError(f"stage {stage.name}: server job {job} would end before this job and cannot be "
+                                    f"requeued ({refused}): give it a longer time (its slurm field)")
+            restarted = int(record.get("restart", 0)) + 1
+
+    def _job_record(self, directory, fingerprint: str, job: str, restart: int, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._stopped():
+                raise PipelineError(f"stopped by a signal while waiting for server job {job}")
+            record = manifest.read(directory) or {}
+            if record.get("status") == "serving" and record.get("fingerprint") == fingerprint and \
+                    str(record.get("job")) == str(job) and int(record.get("restart", 0)) >= restart:
+                return record
+            info = cluster.job_info(job)
+            if cluster.state(info) not in cluster.ACTIVE:
+                raise PipelineError(f"server job {job} ended ({cluster.state(info)}) without serving; its log: "
+                                    f"{directory}/slurm-{job}.out")
+            if time.monotonic() > deadline:
+                raise PipelineError(f"server job {job} did not serve within {timeout:.0f} s "
+                                    f"({cluster.state(info)}; log {directory}/slurm-{job}.out)")
+            time.sleep(5)
+
     def serve_forever(self, name: str) -> int:
-        """A SLURM server job: serve on this node, record the address for the stages that read it, until the job
-        ends or a signal comes."""
+        """A SLURM server job: serve on this node, record the address (and this job) for the stages that read it,
+        until the job ends or a signal comes."""
         resolved = self.resolution.stages[name]
         stage = resolved.stage
-        check_server_python(stage)
-        port = int(os.environ.get("MIMESIS_SERVE_PORT") or 8000)
-        host = socket.getfqdn()
-        url = f"http://{host}:{port}/v1"
         directory = stage_dir(self.resolution.definition.run_dir, stage)
-        argv = serve_command(stage, resolved.inputs["model"], "0.0.0.0", port)
-        child = self.current = Child(argv, {}, directory / "stage.log", SERVER_GRACE_S)
+        job = {"job": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
+        record = {"stage": name, "kind": stage.kind, "fingerprint": resolved.fingerprint, **job}
         self._install_signals()
-        wait_ready(f"http://127.0.0.1:{port}/v1", str(stage.fields["name"]),
-                   float(stage.fields.get("start_timeout_s", SERVE_TIMEOUT_S)), child, what=f"stage {name}'s server")
+        try:
+            check_server_python(stage)
+            port = int(os.environ.get("MIMESIS_SERVE_PORT") or free_port())  # a port of its own on a shared node
+            url = f"http://{cluster.node_address()}:{port}/v1"
+            argv = serve_command(stage, resolved.inputs["model"], "0.0.0.0", port)
+            child = self.current = Child(argv, {}, directory / "stage.log", SERVER_GRACE_S)
+            wait_ready(f"http://127.0.0.1:{port}/v1", str(stage.fields["name"]),
+                       float(stage.fields.get("start_timeout_s", SERVE_TIMEOUT_S)), child,
+                       what=f"stage {name}'s server", stopped=self._stopped)
+        except PipelineError as exc:
+            say(f"error: {exc}")
+            if self.current is not None:
+                self.current.stop()
+            manifest.write(directory, {**record, "status": "failed", "error": str(exc)})
+            return 128 + self.signalled if self.signalled else 2
         resolved.output.endpoint = (url, str(stage.fields["name"]))
-        manifest.write(directory, {"stage": name, "kind": stage.kind, "fingerprint": resolved.fingerprint,
-                                   "status": "serving", "outputs": resolved.output.record(), "command": argv})
-        say(f"stage {name}: serving at {url}")
+        manifest.write(directory, {**record, "status": "serving", "outputs": resolved.output.record(), "command": argv})
+        say(f"stage {name}: serving at {url} (job {job['job']}, start {job['restart'] + 1})")
         status = child.wait()
-        manifest.write(directory, {"stage": name, "kind": stage.kind, "fingerprint": resolved.fingerprint,
-                                   "status": "stopped", "outputs": resolved.output.record(), "exit": status})
+        manifest.write(directory, {**record, "status": "stopped", "outputs": resolved.output.record(), "exit": status})
         return 0 if self.signalled else status
 
     def _stop_servers(self) -> None:
@@ -183,6 +237,8 @@ class Runner:
         for server in servers:
             if self.resolution.stages[server].stage.given is None:
                 self._endpoint(self.resolution.stages[server])
+        if self._stopped():  # a signal while its server started: the stage does not start
+            raise PipelineError(f"stage {stage.name}: not started (a signal came while its inputs were made ready)")
         counted = {s: served_requests(self.resolution.stages[s].output.endpoint[0]) for s in servers}
         argv, env = command(stage, self.resolution.definition.run_dir, resolved.inputs, self.python)
         earlier = resolved.recorded or {}
@@ -198,6 +254,8 @@ class Runner:
         started = time.monotonic()
         self._current_name = stage.name
         self.current = Child(argv, env, log, STOP_GRACE_S)
+        if self.signalled:  # it came while the child started: the handler had no child to pass it to
+            self.current.signal(self.signalled)
         status = self.current.wait()
         self.current = self._current_name = None
         wall = round(time.monotonic() - started, 1)
@@ -244,8 +302,8 @@ class Runner:
             self._stop_servers()
         if self.signalled:
             return 128 + self.signalled
-        if not only or status:
-            text = summary.write(self.resolution, time.monotonic() - started if pending else None)
-            if not only:
-                say(text)
+        # a chain's stage job writes the summary of what is recorded so far: the last one's is the chain's
+        text = summary.write(self.resolution, time.monotonic() - started if pending and not only else None)
+        if not only:
+            say(text)
         return status

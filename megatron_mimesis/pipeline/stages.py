@@ -30,9 +30,22 @@ def config_class(stage: str):
     return getattr(importlib.import_module(module), name)
 
 
+STAGE_SBATCH = REPO / "launch" / "slurm" / "pipeline_stage.sbatch"
+# what a stage's sbatch file asks for that its pipeline job keeps (--output and --job-name are the chain's)
+KEPT = ("nodes", "ntasks-per-node", "gpus-per-node", "exclusive", "time", "requeue", "signal", "open-mode")
+# a ``slurm:`` field's keys (the definition's defaults, a stage's own) -> the sbatch options they set
+SLURM_KEYS = {"nodes": "nodes", "gpus_per_node": "gpus-per-node", "ntasks_per_node": "ntasks-per-node",
+              "time": "time", "partition": "partition", "account": "account"}
+
+
 def sbatch_file(kind: str) -> Path:
     """A training stage kind's own SLURM file (the paper's layout)."""
     return REPO / "launch" / "slurm" / f"{kind}.sbatch"
+
+
+def sbatch_header(path: Path) -> dict[str, str | None]:
+    """``#SBATCH --key[=value]`` lines of an sbatch file, in order."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^#SBATCH --([a-z-]+)(?:=(\S+))?", path.read_text(), re.M)}
 
 
 def sbatch_layout(path: str | Path) -> tuple[int, int] | None:
@@ -40,9 +53,34 @@ def sbatch_layout(path: str | Path) -> tuple[int, int] | None:
     path = Path(path)
     if not path.is_file():
         return None
-    text = path.read_text()
-    nodes, gpus = (re.search(rf"^#SBATCH --{key}=(\d+)", text, re.M) for key in ("nodes", "gpus-per-node"))
-    return (int(nodes.group(1)), int(gpus.group(1))) if nodes and gpus else None
+    header = sbatch_header(path)
+    if header.get("nodes") is None or header.get("gpus-per-node") is None:
+        return None
+    return int(header["nodes"]), int(header["gpus-per-node"])
+
+
+def job_file(stage: Stage) -> Path:
+    """The sbatch file whose request a stage's job takes: a training stage's own (the paper's layout), else the
+    pipeline's one-node file."""
+    return sbatch_file(stage.kind) if stage.kind in CONFIG_CLASSES else STAGE_SBATCH
+
+
+def job_request(stage: Stage, defaults: dict | None = None) -> dict[str, str | None]:
+    """The sbatch options of a stage's job: its file's request, then the definition's ``slurm`` defaults, then the
+    stage's own ``slurm`` field. A server is not resumed from a pre-timeout signal (it is requeued whole)."""
+    request = {k: v for k, v in sbatch_header(job_file(stage)).items() if k in KEPT}
+    if stage.kind == "serve":
+        request.pop("signal", None)
+    for fields in (defaults or {}, stage.fields.get("slurm") or {}):
+        request.update({SLURM_KEYS[key]: str(value) for key, value in fields.items()})
+    return request
+
+
+def request_layout(request: dict) -> tuple[int, int]:
+    """(nodes, ranks per node) a job of ``request`` runs its launcher with: a rank per GPU, or on CPU nodes
+    (``gpus_per_node: 0``) a gloo rank per task (``launch/common.sh``)."""
+    gpus = int(request.get("gpus-per-node") or 0)
+    return int(request.get("nodes") or 1), gpus or int(request.get("ntasks-per-node") or 1)
 
 
 @dataclass

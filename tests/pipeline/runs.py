@@ -16,6 +16,16 @@ from tests.multiproc import kill_all, processes_with_env
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "MIMESIS_TEST_PIPELINE"
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+# the whole demo loop (launch/pipelines/demo.yaml), at a few steps per stage and small evaluations
+LOOP = ["midtrain_data", "midtrain", "sft_data", "sft", "simulator_rl", "simulator_export", "simulator_server",
+        "agent_before", "agent_rl", "agent_export", "simulator_eval", "agent_eval"]
+FEW = {"midtrain": ["--train-iters", "10", "--eval-interval", "100", "--lr-warmup-iters", "2"],
+       "sft": ["--train-iters", "4", "--lr-warmup-iters", "2"], "simulator_rl": ["--train-iters", "2"],
+       "agent_rl": ["--train-iters", "3", "--save-interval", "1"]}
+SMALL_EVALS = {"simulator_eval": {"args": ["--seq-length", "256", "--max-new-tokens", "16", "--max-conversations", "4",
+                                           "--bootstrap", "50"]},
+               "agent_eval": {"args": ["--env", "toy", "--trials", "1", "--tasks", "2", "--max-agent-turns", "2",
+                                       "--max-new-tokens", "8", "--user-max-new-tokens", "16", "--no-agent-thinking"]}}
 
 
 def small_definition(path: Path, stages: dict, changes: dict[str, list[str]], **fields) -> Path:

@@ -84,15 +84,16 @@ def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and
     out = result.stdout
     jobs = dict(re.findall(r"^== (\w+) \(\w+\): job <\w+>, (.+)$", out, re.M))
     assert jobs == {
-        "midtrain": "4 node(s) x 8 GPU(s)",
-        "sft": "1 node(s) x 8 GPU(s), after afterok:<midtrain>",
-        "simulator_rl": "2 node(s) x 8 GPU(s), after afterok:<sft>",
-        "simulator_export": "1 node(s) x 8 GPU(s), after afterok:<simulator_rl>",
-        "simulator_server": "1 node(s) x 8 GPU(s), after afterok:<simulator_export>",
-        "agent_rl": "2 node(s) x 8 GPU(s), after after:<simulator_server>",
-        "agent_export": "1 node(s) x 8 GPU(s), after afterok:<agent_rl>",
-        "simulator_eval": "1 node(s) x 1 GPU(s), after afterok:<sft>,afterok:<simulator_rl>",
-        "agent_eval": "1 node(s) x 1 GPU(s), after afterok:<agent_export>,after:<simulator_server>",
+        "midtrain": "4 node(s) x 8 GPU(s), time 2-00:00:00",
+        "sft": "1 node(s) x 8 GPU(s), time 04:00:00, after afterok:<midtrain>",
+        "simulator_rl": "2 node(s) x 8 GPU(s), time 2-00:00:00, after afterok:<sft>",
+        "simulator_export": "1 node(s) x 8 GPU(s), time 1-00:00:00, after afterok:<simulator_rl>",
+        # the server's limit follows its readers: agent RL's 2 days, the agent evaluation's 1, its own start (30 min)
+        "simulator_server": "1 node(s) x 8 GPU(s), time 3-00:30:00, after afterok:<simulator_export>",
+        "agent_rl": "2 node(s) x 8 GPU(s), time 2-00:00:00, after after:<simulator_server>",
+        "agent_export": "1 node(s) x 8 GPU(s), time 1-00:00:00, after afterok:<agent_rl>",
+        "simulator_eval": "1 node(s) x 1 GPU(s), time 12:00:00, after afterok:<sft>,afterok:<simulator_rl>",
+        "agent_eval": "1 node(s) x 1 GPU(s), time 1-00:00:00, after afterok:<agent_export>,after:<simulator_server>",
     }, out
     plans = re.findall(r"^== (\w+) .*\n   memory plan: ([\d.]+) GiB per GPU of [\d.]+ \(A100-80GB\)", out, re.M)
     assert [stage for stage, _ in plans] == ["midtrain", "sft", "simulator_rl", "agent_rl"], out
@@ -104,6 +105,25 @@ def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and
     assert not (tmp_path / "slurm_jobs.txt").exists()
 
 
+def test_the_cpu_chain_is_planned_at_the_request_each_job_is_submitted_with(tmp_path):
+    """demo.yaml's own ``slurm`` fields (CPU nodes; the training stages on 2 nodes of one rank): each training stage is
+    planned at the layout its job asks for, and an override the stage's layout cannot take is refused naming it."""
+    result = pipeline("submit", DEMO, "--dry-run", "--run-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    jobs = dict(re.findall(r"^== (\w+) \(\w+\): job <\w+>, (\d+ node\(s\) x \d+ GPU\(s\))", result.stdout, re.M))
+    assert jobs == {**dict.fromkeys(["midtrain_data", "sft_data", "simulator_export", "simulator_server",
+                                     "agent_before", "agent_export", "simulator_eval", "agent_eval"],
+                                    "1 node(s) x 0 GPU(s)"),
+                    **dict.fromkeys(["midtrain", "sft", "simulator_rl", "agent_rl"], "2 node(s) x 0 GPU(s)")}
+    assert "--gpus-per-node=0" in result.stdout and "--gpus-per-node=8" not in result.stdout
+    stages = yaml.safe_load(DEMO.read_text())["stages"]
+    changed = tmp_path / "three-nodes.yaml"
+    changed.write_text(yaml.safe_dump({"name": "t", "slurm": {"gpus_per_node": 0}, "stages": {
+        **stages, "midtrain": {**stages["midtrain"], "slurm": {"nodes": 3}}}}, sort_keys=False))
+    line = one_line_error(pipeline("submit", changed, "--dry-run", "--run-dir", tmp_path / "run"))
+    assert line.startswith(f"error: {changed}: stages.midtrain (3x1): "), line  # PP=2 does not divide 3 ranks
+
+
 def test_definition_mistakes_are_one_line_naming_the_field(tmp_path):
     stages = yaml.safe_load(DEMO.read_text())["stages"]
     cases = [
@@ -113,6 +133,10 @@ def test_definition_mistakes_are_one_line_naming_the_field(tmp_path):
         ({"midtrain": {**stages["midtrain"], "kind": "pretrain"}}, "stages.midtrain.kind: 'pretrain' is not a stage kind"),
         ({"midtrain": {**stages["midtrain"], "epochs": 3}}, "stages.midtrain: ['epochs'] are not fields of a midtrain "
                                                            "stage"),
+        ({"midtrain": {**stages["midtrain"], "slurm": {"gpus": 0}}}, "stages.midtrain.slurm: ['gpus'] are not SLURM "
+                                                                     "request fields"),
+        ({"midtrain": {**stages["midtrain"], "slurm": {"nodes": 0}}}, "stages.midtrain.slurm.nodes: a whole number "
+                                                                      ">= 1, not 0"),
     ]
     for change, message in cases:
         path = tmp_path / "pipeline.yaml"

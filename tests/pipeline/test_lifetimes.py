@@ -6,25 +6,22 @@ loop with its vLLM server."""
 import json
 import os
 import re
+import shutil
 import signal
 
 import pytest
+import yaml
 
-from tests.pipeline.runs import PipelineRun, latest, small_definition
+from tests.pipeline.runs import REPO, PipelineRun, latest, small_definition
 
 pytestmark = pytest.mark.slow
 STEPS = ["--train-iters", "12", "--save-interval", "1", "--eval-interval", "100", "--lr-warmup-iters", "2"]
 GONE_S = 90  # the ranks finish the step they are in and save before they exit
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """One data_prep output for every run here, given to each (``--given data=DIR``)."""
-    from data_prep.midtrain import build
-
-    out = tmp_path_factory.mktemp("pipeline-data") / "data"
-    build(output=str(out), seq_length=256, vocab_size=8192, max_conversations=400, progress=False)
-    return out
+@pytest.fixture
+def data(pipeline_data):
+    return pipeline_data
 
 
 @pytest.fixture
@@ -95,5 +92,39 @@ def test_a_stage_that_fails_ends_the_pipeline_with_its_reason_and_no_process(tmp
         assert record(run_dir, "midtrain")["status"] == "failed"
         assert "| agent_before | export | not run |" in (run_dir / "summary.md").read_text()
         assert not run.wait_gone(10), run.processes()
+    finally:
+        run.kill_leftovers()
+
+
+def test_a_signal_while_the_server_starts_stops_the_pipeline_before_the_stage_that_reads_it(tmp_path, data):
+    """SIGTERM while the simulator's server is starting for agent RL: the server is stopped, agent RL never starts
+    (the signal is not lost in the wait for the server), and nothing is left."""
+    vllm_python = REPO / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.exists():
+        pytest.skip("the server runs in .venv-vllm (make venv-vllm; make test builds it)")
+    from megatron_mimesis.models.presets import get_preset
+
+    hf = tmp_path / "hf"  # the agent's and the simulator's weights: the tiny model at the demo data's vocabulary
+    preset = get_preset("tiny").replace(vocab_size=8192)
+    preset.family.hf_model(preset).save_pretrained(hf)
+    shutil.copytree(data / "tokenizer", hf, dirs_exist_ok=True)
+    demo = yaml.safe_load((REPO / "launch" / "pipelines" / "demo.yaml").read_text())["stages"]
+    definition = tmp_path / "serve.yaml"
+    definition.write_text(yaml.safe_dump({"name": "serve", "stages": {
+        "simulator_export": {"kind": "input", "provides": "hf", "path": str(hf)},
+        "simulator_server": demo["simulator_server"],
+        "agent_before": {"kind": "input", "provides": "hf", "path": str(hf)},
+        "agent_rl": {**demo["agent_rl"], "args": ["--train-iters", "1"]}}}, sort_keys=False))
+    run_dir = tmp_path / "run"
+    run = PipelineRun(definition, run_dir)
+    try:
+        run.start().wait_until(lambda: any("vllm.entrypoints.openai.api_server" in p["cmdline"]
+                                           for p in run.processes().values()), "the server's start")
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.wait(GONE_S) == 128 + signal.SIGTERM, run.output()
+        out = run.output()
+        assert "stopped by a signal while waiting for stage simulator_server's server" in out, out
+        assert "stage agent_rl:" not in out and not (run_dir / "agent_rl" / "stage.json").exists(), out
+        assert not run.wait_gone(GONE_S), run.processes()
     finally:
         run.kill_leftovers()

@@ -12,16 +12,9 @@ import signal
 
 import pytest
 
-from tests.pipeline.runs import VENV_PYTHON, PipelineRun, latest, small_definition
+from tests.pipeline.runs import FEW, LOOP, SMALL_EVALS, VENV_PYTHON, PipelineRun, latest, small_definition
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-FEW = {"midtrain": ["--train-iters", "10", "--eval-interval", "100", "--lr-warmup-iters", "2"],
-       "sft": ["--train-iters", "4", "--lr-warmup-iters", "2"], "simulator_rl": ["--train-iters", "2"],
-       "agent_rl": ["--train-iters", "3", "--save-interval", "1"]}
-SMALL_EVALS = {"simulator_eval": {"args": ["--seq-length", "256", "--max-new-tokens", "16", "--max-conversations", "4",
-                                           "--bootstrap", "50"]},
-               "agent_eval": {"args": ["--env", "toy", "--trials", "1", "--tasks", "2", "--max-agent-turns", "2",
-                                       "--max-new-tokens", "8", "--user-max-new-tokens", "16", "--no-agent-thinking"]}}
 GONE_S = 120
 
 
@@ -30,9 +23,7 @@ def loop(tmp_path_factory):
     if not VENV_PYTHON.exists():
         pytest.skip("the pipeline runs in .venv (make venv)")
     root = tmp_path_factory.mktemp("loop")
-    names = ["midtrain_data", "midtrain", "sft_data", "sft", "simulator_rl", "simulator_export", "simulator_server",
-             "agent_before", "agent_rl", "agent_export", "simulator_eval", "agent_eval"]
-    definition = small_definition(root / "loop.yaml", {name: SMALL_EVALS.get(name, {}) for name in names}, FEW)
+    definition = small_definition(root / "loop.yaml", {name: SMALL_EVALS.get(name, {}) for name in LOOP}, FEW)
     run = PipelineRun(definition, root / "run", python=VENV_PYTHON)
     yield run
     run.kill_leftovers()
