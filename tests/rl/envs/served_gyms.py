@@ -56,7 +56,7 @@ def test_telepathy_gym_is_judged_by_the_served_simulator_through_the_proxy(serve
 
 @pytest.fixture(scope="module")
 def agent(tiny_hf_checkpoint, tiny_dataset, server, tmp_path_factory):
-    """The tiny model after 80 steps of next-token loss on the tool call each gym's opening asks for here; it then
+    """The tiny model after 200 steps of next-token loss on the tool call each gym's opening asks for here; it then
     writes that call, greedily, after an opening of each gym."""
     pytest.importorskip("telepathygym", reason=GYMS_MISSING)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,7 +76,7 @@ def agent(tiny_hf_checkpoint, tiny_dataset, server, tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, torch_dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(80):
+    for step in range(200):
         context, target = examples[step % len(examples)]
         ids = torch.tensor([context + target])
         labels = torch.tensor([[-100] * len(context) + target])
