@@ -14,11 +14,12 @@ data-parallel group and hand it to the others.
 
 One repair lives here. megatron's distributed optimizer, when it falls back to ``torch.optim.Adam`` (no
 Transformer Engine / Apex: every CPU run, and GPU installs without them), cannot checkpoint correctly:
-``state_dict()`` asserts on a fresh optimizer (no Adam state yet); loading the parameter state raises
+``state_dict()`` asserts on a fresh optimizer (no Adam state yet: a save before the first update); loading the parameter state raises
 ``KeyError: 'step'`` (Adam keeps a per-parameter ``step`` tensor that the checkpoint's parameter state
 deliberately omits); and ``load_state_dict`` gives every parameter the *same* ``step`` tensor, which Adam
 then increments once per parameter per step, so the bias correction after a resume is silently wrong.
-:func:`_prepare_adam_for_load` and :func:`_unshare_adam_steps` fix all three around megatron's calls.
+:func:`_fresh_adam_state`, :func:`_prepare_adam_for_load` and :func:`_unshare_adam_steps` fix all three around
+megatron's calls.
 """
 
 import json
@@ -78,6 +79,13 @@ def _prepare_adam_for_load(optimizer) -> None:
 
             set_states._skips_step = True
             opt._set_main_param_and_optimizer_states = set_states
+    _fresh_adam_state(optimizer)
+
+
+def _fresh_adam_state(optimizer) -> None:
+    """The state torch Adam creates at its first step (step 0, zero moments) for each parameter that has none yet:
+    what a load fills, and what a save before the first update writes (an RL step whose rollouts all failed trains
+    nothing; its checkpoint is that of a fresh optimizer). The next step is the same as from no state."""
     for inner in _inner_torch_optimizers(optimizer):
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
@@ -139,6 +147,8 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, i
     model_sd = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
     if is_loading:
         _prepare_adam_for_load(optimizer)
+    else:
+        _fresh_adam_state(optimizer)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                       metadata=optimizer_state.OPTIMIZER_METADATA)
     state["opt_param_scheduler"] = scheduler.state_dict()

@@ -3,6 +3,7 @@ as the frozen simulator, a scripted coach; CSD changes the update and its gate s
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -200,3 +201,24 @@ def test_several_optimizer_steps_per_batch_clip_from_the_second_on(tiny_dataset,
     assert clipped[0] == 0.0 and max(clipped[1:]) > 0.0, clipped
     assert one["clip_frac_low"] + one["clip_frac_high"] == 0.0
     assert four["clip_frac_high"] == pytest.approx(sum(four["clip_frac_high_per_step"]) / 4)
+
+
+@pytest.mark.slow
+def test_a_step_whose_rollouts_all_failed_trains_nothing_and_still_saves(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """The user model unreachable from the start (nothing listens at its address): every episode of both steps ends as
+    a counted error, no update is applied, and the checkpoints of both steps are written and resume. The save before
+    the first update used to fail in megatron's distributed optimizer (torch Adam without state: ``assert len(steps)
+    == 1``), ending the run."""
+    args = _agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", "--train-iters", "2", "--save-interval", "1",
+                       "--save", str(tmp_path / "ckpt"), "--user-model", "openai", "--user-model-options",
+                       json.dumps({"base_url": "http://127.0.0.1:9/v1", "model": "nobody", "max_retries": 0}))
+    run_trainer(2, *args, module=AGENT_RL, timeout=600)
+    records = read_metrics(tmp_path / "run")
+    assert [(r["iteration"], r["update_applied"], r["errors"], r["rows"]) for r in records] == [(1, False, 8, 0),
+                                                                                             (2, False, 8, 0)]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+    shutil.rmtree(tmp_path / "ckpt" / "iter_0000002")  # requeued after step 1: resumes a fresh optimizer's checkpoint
+    (tmp_path / "ckpt" / "latest").write_text("1\n")
+    run_trainer(2, *args, module=AGENT_RL, timeout=600)
+    assert [r["iteration"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
