@@ -118,15 +118,10 @@ slurm_tasks_per_node() {
 }
 
 # The address of a node of the job: its name where that resolves, else the address SLURM itself reaches it at
-# (NodeAddr), so that the rendezvous works on clusters whose node names are not in DNS.
+# (NodeAddr), so that the rendezvous works on clusters whose node names are not in DNS (the pipeline's server job
+# records its address by the same rule).
 node_address() {
-  local name="$1" address
-  if getent hosts "$name" >/dev/null 2>&1; then
-    echo "$name"
-    return
-  fi
-  address="$(sinfo --noheader --Node --nodes="$name" --format=%o 2>/dev/null | head -n 1)" || true
-  echo "${address:-$name}"
+  "$PYTHON" -m megatron_mimesis.pipeline.cluster address "$1"
 }
 
 # Trainer flags from the environment. Where a run starts is the trainer's one rule (TrainConfig.resolve_start): a
@@ -344,7 +339,13 @@ launch() {
     if [[ "$arg" == --dry-run ]]; then dry_run=1; else train_args+=("$arg"); fi
   done
   in_slurm=0
-  if [[ -n "${SLURM_JOB_ID:-}" ]]; then in_slurm=1; fi
+  early_usr1=0
+  if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    in_slurm=1
+    # SLURM's pre-timeout signal may come before srun starts (a short limit, a slow start): noted from the start, so
+    # that the batch shell does not die of it; with nothing trained yet, the job is then requeued as it is (run_srun)
+    trap 'early_usr1=1' USR1
+  fi
   gpus="$(gpu_count)"
   if [[ -z "${CONFIG:-}" ]]; then
     if ((!in_slurm && gpus == 0)); then CONFIG="$DEMO_CONFIG"; else CONFIG="$PAPER_CONFIG"; fi
@@ -402,10 +403,6 @@ launch() {
   record="$(exit_record)"
   rm -f "$record"
   if ((in_slurm)); then
-    # SLURM's pre-timeout signal may come before srun starts (a short limit, a slow start): noted, so that the batch
-    # shell does not die of it; with nothing trained yet, the job is then requeued as it is (run_srun)
-    early_usr1=0
-    trap 'early_usr1=1' USR1
     check_config
     run_srun
     return

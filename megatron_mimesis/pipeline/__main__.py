@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                                    help="the job serving a server stage this stage reads (pipeline.sh submit passes "
                                         "it): only that job's record is trusted")
     args = parser.parse_args(argv)
+    if args.command in ("run", "stage"):
+        from megatron_mimesis.pipeline.runner import catch_signals_early
+
+        catch_signals_early()
 
     from megatron_mimesis.compat import prepare_cpu_process
 

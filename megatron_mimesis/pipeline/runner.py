@@ -27,6 +27,15 @@ from megatron_mimesis.pipeline.resolve import Resolution, Resolved, check_server
 from megatron_mimesis.pipeline.stages import command, serve_command, stage_dir
 
 SERVE_TIMEOUT_S = 900  # a 9B export loads and warms up in minutes; the CPU tiny one in one
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+_early: list[int] = []  # signals that came before a Runner took them over
+
+
+def catch_signals_early() -> None:
+    """From the start of the process until a Runner takes them over: a signal that comes while the pipeline imports
+    and resolves (seconds; a job's pre-timeout warning can come then) is kept for the Runner, not fatal."""
+    for signum in HANDLED:
+        signal.signal(signum, lambda signum, _frame: _early.append(signum))
 
 
 def say(line: str) -> None:
@@ -44,6 +53,7 @@ class Runner:
         self.current: Child | None = None
         self._current_name: str | None = None
         self.signalled: int | None = None
+        self.usr1_pending = False  # SLURM's pre-timeout warning before the training stage's launcher started
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, _frame):
@@ -55,6 +65,8 @@ class Runner:
         # other stage would die of it, and its job ends at the limit either way
         if self.current is not None and (signum != signal.SIGUSR1 or self._current_name in self._training):
             self.current.signal(signum)
+        elif signum == signal.SIGUSR1:
+            self.usr1_pending = True
 
     @property
     def _training(self) -> set[str]:
@@ -187,8 +199,10 @@ class Runner:
         self.servers.clear()
 
     def _install_signals(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        for signum in HANDLED:
             signal.signal(signum, self._on_signal)
+        while _early:
+            self._on_signal(_early.pop(0), None)
 
     # ------------------------------------------------------------------ stages
     def _pending(self, only: list[str] | None) -> list[str]:
@@ -256,6 +270,8 @@ class Runner:
         self.current = Child(argv, env, log, STOP_GRACE_S)
         if self.signalled:  # it came while the child started: the handler had no child to pass it to
             self.current.signal(self.signalled)
+        elif self.usr1_pending and stage.kind in TRAINING:  # the launcher, warned early, requeues the job as it is
+            self.current.signal(signal.SIGUSR1)
         status = self.current.wait()
         self.current = self._current_name = None
         wall = round(time.monotonic() - started, 1)
@@ -292,6 +308,8 @@ class Runner:
         status = 0
         try:
             for name in pending:
+                if self.signalled:  # it came before the stage (while the pipeline started): the stage does not start
+                    break
                 status = self._run_stage(self.resolution.stages[name])
                 if status or self.signalled:
                     break

@@ -55,6 +55,11 @@ def job_options(resolution: Resolution, name: str) -> list[str]:
     request = job_request(stage, resolution.definition.slurm)
     if stage.kind == "serve" and "time" not in (stage.fields.get("slurm") or {}):
         request["time"] = server_time(resolution, name) or request.get("time")
+    lead, limit = re.search(r"@(\d+)$", request.get("signal") or "@0"), cluster.seconds(request.get("time"))
+    if limit is not None and int(lead.group(1)) >= limit:
+        raise PipelineError(f"{stage.where}.slurm.time: {request['time']} is not longer than the {lead.group(1)} s "
+                            f"before its end at which its job is told to stop (--signal={request['signal']}): the "
+                            f"warning would come at once")
     options = [f"--{k}" if v is None else f"--{k}={v}" for k, v in request.items()]
     run_dir = resolution.definition.run_dir
     options += [f"--job-name=mimesis-{resolution.definition.name}-{name}", f"--output={run_dir}/{name}/slurm-%j.out"]

@@ -3,7 +3,8 @@ a user tries a setup on a CPU partition: the shipped file, with only command-lin
 --gpus-per-node=0``) and environment (CONFIG: the tiny preset; each stage starts from the weights its 9B config
 starts from). The launcher runs one gloo rank per node, the two ranks meet across the nodes (pipeline or tensor
 parallel), the job completes, and its metrics, checkpoint and ``slurm-*.out`` lines (a step line per logged step,
-one per save) are where they should be. For the two ways a stage starts from other weights (SFT: a checkpoint's
+one per save) are where they should be. Mid-training's job gets SLURM's pre-timeout warning while its launcher still
+checks the config: the batch shell does not die of it, the job is requeued as it is and then runs whole. For the two ways a stage starts from other weights (SFT: a checkpoint's
 weights, `load` + `finetune`; agent RL: HF weights, `pretrained_hf`), the same job submitted again once its last
 checkpoint is gone (a job requeued after its checkpoint of step 1) resumes at the saved iteration, says so once, and
 trains the step the uninterrupted run trained, to the bit (issue 20: agent RL and SFT from HF weights exited 2 on
@@ -29,10 +30,13 @@ LAYOUT = {"midtrain": {"pipeline_model_parallel_size": 2}, "sft": {"tensor_model
 RESUBMITTED = ("sft", "rl_agent")
 
 
-def _submit_and_wait(cluster, stage, tmp_path, env) -> tuple[dict, str]:
-    job = sbatch(cluster, ["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/slurm-%j.out",
+def _submit_and_wait(cluster, stage, tmp_path, env, warn_at_start=False) -> tuple[dict, str]:
+    job = sbatch(cluster, ["--nodes=2", "--gpus-per-node=0", "--open-mode=append", f"--output={tmp_path}/slurm-%j.out",
                            f"launch/slurm/{stage}.sbatch"], env)
     log = tmp_path / f"slurm-{job}.out"
+    if warn_at_start:  # SLURM's pre-timeout warning while the launcher checks its config, before srun
+        wait_job(cluster, job, lambda info: info.get("JobState") == "RUNNING", "start", timeout=300, log=log)
+        cluster.command("scancel", "--signal=USR1", "--batch", job)
     info = wait_job(cluster, job, ended, "end", timeout=600, log=log)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log.read_text()[-4000:])
     return info, log.read_text()
@@ -44,7 +48,9 @@ def test_each_sbatch_file_runs_on_two_cpu_nodes_and_a_resubmission_resumes_where
     config, start_env = stage_config(stage, tmp_path, tiny_dataset, tiny_hf_checkpoint, imported, **LAYOUT[stage])
     (tmp_path / "run.yaml").write_text(json.dumps(config))  # JSON is YAML
     env = job_env(slurm_cluster, CONFIG=str(tmp_path / "run.yaml"), **start_env)
-    info, out = _submit_and_wait(slurm_cluster, stage, tmp_path, env)
+    info, out = _submit_and_wait(slurm_cluster, stage, tmp_path, env, warn_at_start=stage == "midtrain")
+    if stage == "midtrain":  # the batch shell did not die of it: the job was requeued as it was and ran whole
+        assert info["Restarts"] == "1" and "SIGUSR1 before the ranks started: nothing to save; requeueing job" in out
     nodes = slurm_cluster.command("scontrol", "show", "hostnames", info["NodeList"]).split()
     assert len(nodes) == 2, info
     save = tmp_path / "ckpt"

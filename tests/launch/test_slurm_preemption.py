@@ -52,18 +52,6 @@ def _curve(log_dir) -> dict[int, dict]:
     return {r["iteration"]: {k: r.get(k) for k in COMPARED} for r in records}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(slurm_cluster, tmp_path_factory, tiny_dataset, tiny_hf_checkpoint, imported):
-    """The run's curve, uninterrupted."""
-    tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    env = job_env(slurm_cluster, **_config(tmp_path, tiny_dataset, tiny_hf_checkpoint, imported))
-    job = sbatch(slurm_cluster, ["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/slurm-%j.out",
-                                 "launch/slurm/midtrain.sbatch"], env)
-    info = wait_job(slurm_cluster, job, ended, "end", timeout=900, log=tmp_path / f"slurm-{job}.out")
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info
-    return _curve(tmp_path / "log")
-
-
 def _progress(log_dir) -> int:
     try:
         return max(r["iteration"] for r in read_metrics(log_dir))
@@ -85,7 +73,12 @@ def _saved_at(out, stop: int, timeout: float = 120) -> int:
 
 
 def test_a_time_limit_a_scancel_signal_an_admin_requeue_and_a_lost_node_each_resume_where_the_run_stopped(
-        slurm_cluster, uninterrupted, tmp_path, tiny_dataset, tiny_hf_checkpoint, imported):
+        slurm_cluster, tmp_path, tiny_dataset, tiny_hf_checkpoint, imported):
+    # the uninterrupted run, on the cluster's other two nodes meanwhile
+    (tmp_path / "whole").mkdir()
+    whole = sbatch(slurm_cluster, ["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/whole/slurm-%j.out",
+                                   "launch/slurm/midtrain.sbatch"],
+                   job_env(slurm_cluster, **_config(tmp_path / "whole", tiny_dataset, tiny_hf_checkpoint, imported)))
     env = job_env(slurm_cluster, **_config(tmp_path, tiny_dataset, tiny_hf_checkpoint, imported))
     job = sbatch(slurm_cluster, ["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/slurm-%j.out",
                                  "--time=2", "--signal=B:USR1@30", "launch/slurm/midtrain.sbatch"], env)
@@ -107,7 +100,12 @@ def test_a_time_limit_a_scancel_signal_an_admin_requeue_and_a_lost_node_each_res
     slurm_cluster.command("scontrol", "requeue", job)
     wait_job(slurm_cluster, job, restarted(3), "requeue by the administrator", timeout=300, log=out)
     saved.append(_saved_at(out, 3))
-    # 4. a node of the job lost (not the batch shell's): the job ends within its timeouts and is requeued
+    # 4. a node of the job lost (not the batch shell's): the job ends within its timeouts and is requeued, on two
+    # other nodes once the uninterrupted run has ended
+    info = wait_job(slurm_cluster, whole, ended, "the uninterrupted run's end", timeout=900,
+                    log=tmp_path / "whole" / f"slurm-{whole}.out")
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info
+    uninterrupted = _curve(tmp_path / "whole" / "log")
     wait_job(slurm_cluster, job, trains_past(saved[-1] + 12), "the fourth attempt's steps", timeout=300, log=out)
     lost = slurm_cluster.command("scontrol", "show", "hostnames", slurm_cluster.job(job)["NodeList"]).split()[1]
     slurm_cluster.lose_node(lost)

@@ -38,6 +38,18 @@ def small_definition(path: Path, stages: dict, changes: dict[str, list[str]], **
     return path
 
 
+def given_definition(path: Path, given: dict[str, Path], stages: list[str], changes: dict[str, dict]) -> Path:
+    """Some of the demo's ``stages`` (with the fields in ``changes`` over theirs) after inputs that stand in for the
+    stages before them (``given``: stage -> a data_prep output or an HF directory, as ``kind: input`` stages)."""
+    demo = yaml.safe_load((REPO / "launch" / "pipelines" / "demo.yaml").read_text())["stages"]
+    chosen = {name: {"kind": "input", "provides": "data" if demo[name]["kind"].startswith("prep_") else "hf",
+                     "path": str(value)} for name, value in given.items()}
+    for name in stages:
+        chosen[name] = {**demo[name], **changes.get(name, {})}
+    path.write_text(yaml.safe_dump({"name": path.stem, "stages": chosen}, sort_keys=False))
+    return path
+
+
 class PipelineRun:
     def __init__(self, definition: Path, run_dir: Path, *extra: str, python: Path | str = sys.executable):
         self.definition, self.run_dir, self.extra = definition, run_dir, [str(e) for e in extra]

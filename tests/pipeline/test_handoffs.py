@@ -122,6 +122,13 @@ def test_the_cpu_chain_is_planned_at_the_request_each_job_is_submitted_with(tmp_
         **stages, "midtrain": {**stages["midtrain"], "slurm": {"nodes": 3}}}}, sort_keys=False))
     line = one_line_error(pipeline("submit", changed, "--dry-run", "--run-dir", tmp_path / "run"))
     assert line.startswith(f"error: {changed}: stages.midtrain (3x1): "), line  # PP=2 does not divide 3 ranks
+    short = tmp_path / "short.yaml"  # pipeline_stage.sbatch warns its jobs 900 s before their end
+    short.write_text(yaml.safe_dump({"name": "t", "slurm": {"gpus_per_node": 0}, "stages": {
+        **stages, "agent_eval": {**stages["agent_eval"], "slurm": {"time": "00:10:00"}}}}, sort_keys=False))
+    result = pipeline("submit", short, "--dry-run", "--run-dir", tmp_path / "run")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        f"error: {short}: stages.agent_eval.slurm.time: 00:10:00 is not longer than the 900 s before its end at which "
+        "its job is told to stop (--signal=B:USR1@900): the warning would come at once"), result.stderr
 
 
 def test_definition_mistakes_are_one_line_naming_the_field(tmp_path):

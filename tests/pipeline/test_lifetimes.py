@@ -6,13 +6,11 @@ loop with its vLLM server."""
 import json
 import os
 import re
-import shutil
 import signal
 
 import pytest
-import yaml
 
-from tests.pipeline.runs import REPO, PipelineRun, latest, small_definition
+from tests.pipeline.runs import REPO, PipelineRun, given_definition, latest, small_definition
 
 pytestmark = pytest.mark.slow
 STEPS = ["--train-iters", "12", "--save-interval", "1", "--eval-interval", "100", "--lr-warmup-iters", "2"]
@@ -96,25 +94,15 @@ def test_a_stage_that_fails_ends_the_pipeline_with_its_reason_and_no_process(tmp
         run.kill_leftovers()
 
 
-def test_a_signal_while_the_server_starts_stops_the_pipeline_before_the_stage_that_reads_it(tmp_path, data):
+def test_a_signal_while_the_server_starts_stops_the_pipeline_before_the_stage_that_reads_it(tmp_path, data,
+                                                                                           demo_vocab_export):
     """SIGTERM while the simulator's server is starting for agent RL: the server is stopped, agent RL never starts
     (the signal is not lost in the wait for the server), and nothing is left."""
-    vllm_python = REPO / ".venv-vllm" / "bin" / "python"
-    if not vllm_python.exists():
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
         pytest.skip("the server runs in .venv-vllm (make venv-vllm; make test builds it)")
-    from megatron_mimesis.models.presets import get_preset
-
-    hf = tmp_path / "hf"  # the agent's and the simulator's weights: the tiny model at the demo data's vocabulary
-    preset = get_preset("tiny").replace(vocab_size=8192)
-    preset.family.hf_model(preset).save_pretrained(hf)
-    shutil.copytree(data / "tokenizer", hf, dirs_exist_ok=True)
-    demo = yaml.safe_load((REPO / "launch" / "pipelines" / "demo.yaml").read_text())["stages"]
-    definition = tmp_path / "serve.yaml"
-    definition.write_text(yaml.safe_dump({"name": "serve", "stages": {
-        "simulator_export": {"kind": "input", "provides": "hf", "path": str(hf)},
-        "simulator_server": demo["simulator_server"],
-        "agent_before": {"kind": "input", "provides": "hf", "path": str(hf)},
-        "agent_rl": {**demo["agent_rl"], "args": ["--train-iters", "1"]}}}, sort_keys=False))
+    definition = given_definition(tmp_path / "serve.yaml", {"simulator_export": demo_vocab_export,
+                                                           "agent_before": demo_vocab_export},
+                                  ["simulator_server", "agent_rl"], {"agent_rl": {"args": ["--train-iters", "1"]}})
     run_dir = tmp_path / "run"
     run = PipelineRun(definition, run_dir)
     try:

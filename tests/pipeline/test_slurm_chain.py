@@ -68,9 +68,9 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
     stages = {name: SMALL_EVALS.get(name, {}) for name in LOOP}
     # the server's limit is agent RL's, but it started first: agent RL finds it with less time left than itself and
     # requeues it before it trains (once: restarted, the server has more time left than agent RL)
-    stages["simulator_server"] = {"slurm": {"time": "00:20:00"}}
-    stages["agent_rl"] = {"slurm": {"nodes": 2, "time": "00:20:00"}}
-    stages["agent_eval"] = {**stages["agent_eval"], "slurm": {"time": "00:10:00"}}
+    stages["simulator_server"] = {"slurm": {"time": "00:25:00"}}
+    stages["agent_rl"] = {"slurm": {"nodes": 2, "time": "00:25:00"}}
+    stages["agent_eval"] = {**stages["agent_eval"], "slurm": {"time": "00:16:00"}}  # past its file's 900 s warning
     definition = small_definition(tmp_path / "chain.yaml", stages, FEW, slurm={"gpus_per_node": 0})
     run_dir = tmp_path / "run"
     stale = _plant_a_stale_server_record(definition, run_dir)
@@ -102,6 +102,7 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
     for name in LOOP:
         if name != "simulator_server":
             assert re.search(rf"^\| {name} \| \w+ \| done \|", summary, re.M), summary
+    assert "NLL/token" in summary and re.search(r"^\| before \| [\d.]+ \| [\d.]+ \|", summary, re.M), summary  # both tables
     status = _pipeline(slurm_cluster, "status", definition, "--run-dir", run_dir)
     assert status.returncode == 0 and "failed:" not in status.stdout, status.stdout + status.stderr
     assert re.search(rf"^agent_rl +{jobs['agent_rl']} +COMPLETED +done ", status.stdout, re.M), status.stdout
@@ -125,7 +126,7 @@ def _plant_a_stale_server_record(definition, run_dir) -> dict:
 def test_a_failed_stage_cancels_its_readers_status_names_it_and_the_chain_resubmitted_resumes_it(
         slurm_cluster, venvs, tmp_path, pipeline_data):
     definition = small_definition(tmp_path / "chain.yaml", {"midtrain_data": {}, "midtrain": {}, "agent_before": {}},
-                                  {"midtrain": ["--train-iters", "12", "--save-interval", "1", "--eval-interval",
+                                  {"midtrain": ["--train-iters", "6", "--save-interval", "1", "--eval-interval",
                                                 "100", "--lr-warmup-iters", "2"]}, slurm={"gpus_per_node": 0})
     run_dir = tmp_path / "run"
     given = ["--given", f"midtrain_data={pipeline_data}"]
@@ -159,7 +160,7 @@ def test_a_failed_stage_cancels_its_readers_status_names_it_and_the_chain_resubm
                                                                    "agent_before": "COMPLETED"}
     stage_log = (run_dir / "midtrain" / "stage.log").read_text()
     assert f"resuming from {checkpoints} (iteration {saved})" in stage_log, stage_log[-3000:]
-    assert _record(run_dir, "midtrain")["status"] == "done" and latest(checkpoints) == 12
+    assert _record(run_dir, "midtrain")["status"] == "done" and latest(checkpoints) == 6
     assert _pipeline(slurm_cluster, "status", definition, "--run-dir", run_dir, *given).returncode == 0
 
 
