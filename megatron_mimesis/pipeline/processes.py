@@ -27,8 +27,8 @@ class Child:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         with open(log, "a") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "megatron_mimesis.pipeline.keeper", str(grace_s), "--",
-                                          *argv], env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+            keeper = [sys.executable, "-m", "megatron_mimesis.pipeline.keeper", str(grace_s), str(os.getpid()), "--"]
+            self.proc = subprocess.Popen([*keeper, *argv], env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
     def signal(self, signum: int) -> None:
