@@ -3,9 +3,10 @@
 rank each, data parallel; the tiny preset from the HF weights its 9B config starts from).
 
 One job meets the four ways a run is stopped on a cluster, one per attempt:
-1. its time limit (``--time=2 --signal=B:USR1@30``): SLURM warns the batch shell, which has the ranks save and requeues
-   the job; the administrator then lifts the limit (``scontrol update TimeLimit``), so that the rest finishes however
-   loaded this machine is;
+1. its time limit (``--signal=B:USR1@90``; the administrator cuts the limit to 1-2 minutes ahead once the job
+   trains: a fixed ``--time=2`` warned a loaded machine's ranks before they had installed their handlers): SLURM warns
+   the batch shell, which has the ranks save and requeues the job; the administrator then lifts the limit, so that the
+   rest finishes however loaded this machine is;
 2. a user's ``scancel --signal=USR1 --batch``: the same path;
 3. an administrator's ``scontrol requeue``: SIGTERM to every process of the job, SIGKILL after KillWait; the ranks save
    on SIGTERM while the batch shell waits for them;
@@ -25,13 +26,15 @@ import pytest
 
 from megatron_mimesis.checkpoint.integrity import check_checkpoint
 from megatron_mimesis.checkpoint.reader import checkpoint_dir, read_latest
+from megatron_mimesis.pipeline.cluster import seconds
 from tests.launch.stages import stage_config
 from tests.slurm_cluster import TIMEOUTS, ended, job_env, sbatch, wait_job
 from tests.training.conftest import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
-# enough steps that the first attempt still trains when its time-limit warning comes (60-90 s after it starts)
-STEPS = 240
+# enough steps that an idle machine's job still trains at its fourth stop: the first comes within 30 s of the cut
+# (SLURM checks time limits every 30 s), at 3-4 steps/s
+STEPS = 160
 COMPARED = ("loss", "grad_norm", "loss_tokens", "lr")
 # how long a lost node takes to end the job: the controller's SlurmdTimeout, then KillWait for what is left, and room
 LOST_NODE_S = TIMEOUTS["SlurmdTimeout"] + TIMEOUTS["KillWait"] + 120
@@ -81,12 +84,16 @@ def test_a_time_limit_a_scancel_signal_an_admin_requeue_and_a_lost_node_each_res
                    job_env(slurm_cluster, **_config(tmp_path / "whole", tiny_dataset, tiny_hf_checkpoint, imported)))
     env = job_env(slurm_cluster, **_config(tmp_path, tiny_dataset, tiny_hf_checkpoint, imported))
     job = sbatch(slurm_cluster, ["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/slurm-%j.out",
-                                 "--time=2", "--signal=B:USR1@30", "launch/slurm/midtrain.sbatch"], env)
+                                 "--time=30", "--signal=B:USR1@90", "launch/slurm/midtrain.sbatch"], env)
     out, log_dir = tmp_path / f"slurm-{job}.out", tmp_path / "log"
     restarted = lambda n: lambda info: int(info.get("Restarts", 0)) >= n  # noqa: E731
     trains_past = lambda n: lambda _: _progress(log_dir) >= n  # noqa: E731
 
-    # 1. the time limit: SLURM's warning 60-90 s into the job; the launcher has the ranks save, then requeues
+    # 1. the time limit, cut to 1-2 minutes ahead once the job trains: SLURM warns at its first check within 120 s of
+    # the limit (90 s of lead and one check's period), so at once; the launcher has the ranks save, then requeues
+    wait_job(slurm_cluster, job, trains_past(3), "the first attempt's steps", timeout=300, log=out)
+    ran_min = int(seconds(slurm_cluster.job(job)["RunTime"]) // 60)
+    slurm_cluster.command("scontrol", "update", f"JobId={job}", f"TimeLimit={ran_min + 2}")
     wait_job(slurm_cluster, job, restarted(1), "requeue at the time limit", timeout=300, log=out)
     slurm_cluster.command("scontrol", "update", f"JobId={job}", "TimeLimit=30")  # the administrator lifts the limit
     saved = [_saved_at(out, 1)]

@@ -66,8 +66,9 @@ def venvs():
 def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_simulator(
         slurm_cluster, venvs, tmp_path):
     stages = {name: SMALL_EVALS.get(name, {}) for name in LOOP}
-    # the server's limit is agent RL's, but it started first: agent RL finds it with less time left than itself and
-    # requeues it before it trains (once: restarted, the server has more time left than agent RL)
+    # the server's limit is agent RL's, but it started first (agent RL is held until it serves: SLURM may otherwise
+    # start both in one scheduling pass): agent RL finds it with less time left than itself and requeues it before it
+    # trains (once: restarted, the server has more time left than agent RL)
     stages["simulator_server"] = {"slurm": {"time": "00:25:00"}}
     stages["agent_rl"] = {"slurm": {"nodes": 2, "time": "00:25:00"}}
     stages["agent_eval"] = {**stages["agent_eval"], "slurm": {"time": "00:16:00"}}  # past its file's 900 s warning
@@ -83,6 +84,9 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
     assert all((run_dir / name).is_dir() for name in LOOP)  # each job's --output directory exists before it runs
     for name in ("midtrain", "sft", "simulator_rl", "agent_rl"):  # planned exactly as submitted: 2 nodes x 1 rank
         assert re.search(rf"^== {name} \(\w+\): job {jobs[name]}, 2 node\(s\) x 0 GPU\(s\)", submitted.stdout, re.M)
+    slurm_cluster.command("scontrol", "hold", jobs["agent_rl"])
+    _wait_serving(slurm_cluster, run_dir, jobs["simulator_server"], timeout=900)
+    slurm_cluster.command("scontrol", "release", jobs["agent_rl"])
     states = _wait_all_ended(slurm_cluster, run_dir, timeout=1500)
     wall = time.monotonic() - started
     logs = {name: "".join(p.read_text() for p in (run_dir / name).glob("slurm-*.out")) for name in LOOP}
@@ -108,6 +112,19 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
     assert re.search(rf"^agent_rl +{jobs['agent_rl']} +COMPLETED +done ", status.stdout, re.M), status.stdout
     print(f"CPU chain on a 4-node SLURM: {wall:.0f} s from submit to the last job's end; {requests:.0f} requests "
           f"answered by the served simulator during agent RL; states {states}")
+
+
+def _wait_serving(cluster, run_dir, job: str, timeout: float) -> None:
+    from megatron_mimesis.pipeline import manifest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        record = manifest.read(run_dir / "simulator_server") or {}
+        if (record.get("job"), record.get("status")) == (job, "serving"):
+            return
+        info = cluster.job(job)
+        assert time.monotonic() < deadline and info.get("JobState") not in ENDED, (info, record)
+        time.sleep(2)
 
 
 def _plant_a_stale_server_record(definition, run_dir) -> dict:
