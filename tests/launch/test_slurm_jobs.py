@@ -14,6 +14,7 @@ SFT does."""
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -34,12 +35,25 @@ def _submit_and_wait(cluster, stage, tmp_path, env, warn_at_start=False) -> tupl
     job = sbatch(cluster, ["--nodes=2", "--gpus-per-node=0", "--open-mode=append", f"--output={tmp_path}/slurm-%j.out",
                            f"launch/slurm/{stage}.sbatch"], env)
     log = tmp_path / f"slurm-{job}.out"
-    if warn_at_start:  # SLURM's pre-timeout warning while the launcher checks its config, before srun
-        wait_job(cluster, job, lambda info: info.get("JobState") == "RUNNING", "start", timeout=300, log=log)
+    if warn_at_start:  # SLURM's pre-timeout warning while the launcher checks its config, before srun (RUNNING is
+        # not enough: a batch shell signalled before the launcher's first line dies of it, as any shell would)
+        wait_job(cluster, job, lambda _: _checking(tmp_path / "run.yaml"), "config check", timeout=300, log=log)
         cluster.command("scancel", "--signal=USR1", "--batch", job)
     info = wait_job(cluster, job, ended, "end", timeout=600, log=log)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log.read_text()[-4000:])
     return info, log.read_text()
+
+
+def _checking(config: Path) -> bool:
+    """Whether the launcher's config check (``--dry-run`` of the trainer on CONFIG) runs."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--dry-run" in args and str(config).encode() in args:
+            return True
+    return False
 
 
 @pytest.mark.parametrize("stage", STAGES)
