@@ -58,5 +58,8 @@ def wait_job(cluster: LocalSlurm, job: str, until, what: str, timeout: float = 6
         time.sleep(1)
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
 def ended(info: dict) -> bool:
-    return info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    return info.get("JobState") in ENDED

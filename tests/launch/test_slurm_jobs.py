@@ -21,6 +21,7 @@ import pytest
 from megatron_mimesis.checkpoint.integrity import check_checkpoint
 from megatron_mimesis.checkpoint.reader import RUN_CONFIG, read_latest
 from tests.launch.stages import COMPARED, STAGES, stage_config
+from tests.multiproc import processes_with_env
 from tests.slurm_cluster import ended, job_env, sbatch, wait_job
 from tests.training.conftest import read_metrics
 
@@ -46,14 +47,7 @@ def _submit_and_wait(cluster, stage, tmp_path, env, warn_at_start=False) -> tupl
 
 def _checking(config: Path) -> bool:
     """Whether the launcher's config check (``--dry-run`` of the trainer on CONFIG) runs."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--dry-run" in args and str(config).encode() in args:
-            return True
-    return False
+    return any("--dry-run" in p["cmdline"].split() for p in processes_with_env("CONFIG", str(config)).values())
 
 
 @pytest.mark.parametrize("stage", STAGES)

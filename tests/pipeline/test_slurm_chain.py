@@ -19,12 +19,12 @@ import time
 
 import pytest
 
+from megatron_mimesis.pipeline import manifest
 from tests.launch.test_failures import unwritable
 from tests.pipeline.runs import FEW, LOOP, REPO, SMALL_EVALS, VENV_PYTHON, latest, small_definition
-from tests.slurm_cluster import job_env
+from tests.slurm_cluster import ENDED, ended, job_env, wait_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def _pipeline(cluster, *args, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -85,7 +85,9 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
     for name in ("midtrain", "sft", "simulator_rl", "agent_rl"):  # planned exactly as submitted: 2 nodes x 1 rank
         assert re.search(rf"^== {name} \(\w+\): job {jobs[name]}, 2 node\(s\) x 0 GPU\(s\)", submitted.stdout, re.M)
     slurm_cluster.command("scontrol", "hold", jobs["agent_rl"])
-    _wait_serving(slurm_cluster, run_dir, jobs["simulator_server"], timeout=900)
+    server = wait_job(slurm_cluster, jobs["simulator_server"],
+                      lambda info: ended(info) or _serving(run_dir, jobs["simulator_server"]), "serving", timeout=900)
+    assert not ended(server), (server, manifest.read(run_dir / "simulator_server"))
     slurm_cluster.command("scontrol", "release", jobs["agent_rl"])
     states = _wait_all_ended(slurm_cluster, run_dir, timeout=1500)
     wall = time.monotonic() - started
@@ -114,23 +116,14 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
           f"answered by the served simulator during agent RL; states {states}")
 
 
-def _wait_serving(cluster, run_dir, job: str, timeout: float) -> None:
-    from megatron_mimesis.pipeline import manifest
-
-    deadline = time.monotonic() + timeout
-    while True:
-        record = manifest.read(run_dir / "simulator_server") or {}
-        if (record.get("job"), record.get("status")) == (job, "serving"):
-            return
-        info = cluster.job(job)
-        assert time.monotonic() < deadline and info.get("JobState") not in ENDED, (info, record)
-        time.sleep(2)
+def _serving(run_dir, job: str) -> bool:
+    record = manifest.read(run_dir / "simulator_server") or {}
+    return (record.get("job"), record.get("status")) == (job, "serving")
 
 
 def _plant_a_stale_server_record(definition, run_dir) -> dict:
     """What a killed server job of an earlier submission leaves: ``serving``, at an address nothing answers."""
     from megatron_mimesis.pipeline import definition as definitions
-    from megatron_mimesis.pipeline import manifest
     from megatron_mimesis.pipeline.resolve import resolve
 
     resolution = resolve(definitions.load(definition, run_dir), slurm=True, plans=False)
