@@ -5,6 +5,7 @@ Megatron-Bridge's Qwen models use; its HybridModel splits mixer and MLP into sep
 one-to-one correspondence with HF's decoder layers that the parameter mapping relies on (``models/family.py``).
 """
 
+import importlib.util
 from dataclasses import dataclass
 
 from megatron.core import parallel_state
@@ -38,6 +39,10 @@ class ModelProvider:
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         backend = self.backend or select_backend()
+        if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+            # megatron-core would fail later with NameError: name 'TESpecProvider' is not defined
+            raise ImportError("backend='te' needs Transformer Engine, which the [gpu] extra installs: "
+                              "pip install -e '.[gpu]' (or leave the backend unset: the local modules run without it)")
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=self.preset.family.block_spec(self.config, backend, vp_stage=vp_stage),

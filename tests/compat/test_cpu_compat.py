@@ -1,5 +1,6 @@
 """The CPU adaptation: CUDA device arguments land on the CPU and megatron's RNG tracker really seeds and forks."""
 
+import pytest
 import torch
 
 from megatron_mimesis.compat import compute_device, enable_cpu_compat
@@ -49,3 +50,15 @@ def test_backend_selection(monkeypatch):
     assert specs.select_backend() == "local"  # TE importable but no GPU
     monkeypatch.setattr(specs, "cuda_is_usable", lambda: True)
     assert specs.select_backend() == "te"
+
+
+def test_asking_for_transformer_engine_without_it_names_the_extra():
+    """megatron-core itself would stop later, at a NameError on TESpecProvider (seen on an H200 without TE)."""
+    from megatron_mimesis.models.config import ParallelConfig, transformer_config
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.models.provider import ModelProvider
+
+    init_single_process_megatron()
+    preset = get_preset("tiny")
+    with pytest.raises(ImportError, match=r"backend='te' needs Transformer Engine.*pip install -e '\.\[gpu\]'"):
+        ModelProvider(preset, transformer_config(preset, ParallelConfig()), backend="te")()
