@@ -28,6 +28,11 @@ STUB = textwrap.dedent("""
     elif name == "throughput":
         json.dump({"rows": [{"layers": "4", "tokens_per_s": 9000.0}], "notes": []}, open(path, "w"))
         time.sleep(60)
+    elif os.environ.get("STUB_VLLM_RAISES"):  # as run.main writes a stage's exception, then exit noise
+        json.dump({"rows": [{"check": "sync"}], "notes": [], "error": "NameError: name 'X' is not defined"},
+                  open(path, "w"))
+        print("[rank0]:[W1204 ProcessGroupNCCL.cpp:1575] Warning: destroy_process_group() was not called")
+        sys.exit(1)
     else:
         json.dump({"rows": [], "notes": ["vLLM stage not run: No module named 'vllm'"]}, open(path, "w"))
 """)
@@ -83,6 +88,26 @@ def test_stages_past_the_total_budget_are_skipped_and_reported(monkeypatch, tmp_
     assert list(report["stages"]) == ["kernels", "throughput"]
     assert report["stages"]["kernels"]["status"] == "ok"
     assert report["stages"]["throughput"]["status"] == "skipped: total time budget spent"
+
+
+def test_a_failed_stage_is_reported_by_its_exception_not_by_its_logs_last_line(monkeypatch, tmp_path):
+    out = tmp_path / "report"
+    _stub_stages(monkeypatch, tmp_path, {"vllm": 30}, budget=60)
+    monkeypatch.setenv("STUB_VLLM_RAISES", "1")
+    assert run.main(["--out", str(out), "--stages", "vllm"]) == 1
+    vllm = json.loads((out / "gpu_check.json").read_text())["stages"]["vllm"]
+    assert vllm["status"] == "failed (rc 1): NameError: name 'X' is not defined"
+    assert vllm["rows"] == [{"check": "sync"}] and "error" not in vllm
+
+
+def test_a_stage_records_the_exception_that_ended_it(tmp_path):
+    """The real stage process: on this machine the kernels stage ends at its first CUDA tensor."""
+    done = subprocess.run([sys.executable, "-m", "megatron_mimesis.gpu_check", "--stage", "kernels", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    error = json.loads((tmp_path / "stage_kernels.json").read_text())["error"]
+    kind, message = error.split(": ", 1)
+    assert kind.endswith("Error") and message and f"{kind}: {message.splitlines()[0]}" in done.stderr
 
 
 @pytest.mark.vllm

@@ -1,4 +1,4 @@
-"""One GPU acceptance run, prepared to run right the first time on a single A100 / H100 / H200, in under 8 minutes.
+"""One GPU acceptance run, prepared to run right the first time on a single A100 / H100 / H200, in under 10 minutes.
 
     python -m megatron_mimesis.gpu_check [--out DIR] [--stages kernels parity throughput vllm]
 

@@ -30,3 +30,8 @@ class StageRecorder:
     def note(self, text: str):
         self.data["notes"].append(text)
         write_json(self.path, self.data)
+
+    def fail(self, error: BaseException):
+        """The exception that ended the stage, for the report's status line."""
+        self.data["error"] = f"{type(error).__name__}: {error}"[:300]
+        write_json(self.path, self.data)
