@@ -12,6 +12,7 @@ the corpus itself, with the Qwen2/3 pre-tokenizer split so that rendering behave
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,28 @@ class SentencePieceEncoder:
 def load_encoder(path: str | Path) -> TextEncoder | SentencePieceEncoder:
     """A ``.model`` file is a sentencepiece model; anything else a HF tokenizer directory."""
     return SentencePieceEncoder(path) if Path(path).suffix == ".model" else TextEncoder(path)
+
+
+# what defines a HF tokenizer; the rest of a model directory (its weights above all) is not the tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "tokenizer.model")
+
+
+def copy_tokenizer(source: str | Path, dest: str | Path) -> list[str]:
+    """Copy the tokenizer at ``source`` (a sentencepiece file, or the tokenizer files of a directory) into the
+    directory ``dest``; the names copied. Runs name a model's own directory as their tokenizer, and a copy of all of
+    it would carry the weights too (~16 GB at Qwen3-8B, in every checkpoint)."""
+    source, dest = Path(source), Path(dest)
+    if source.is_file():
+        found, source = [source.name], source.parent
+    else:
+        found = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in found:
+        shutil.copy2(source / name, dest / name)
+    return found
 
 
 def tokenizer_sha256(path: Path) -> str:

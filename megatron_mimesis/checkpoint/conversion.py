@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data_prep.tokenizer import ENDOFTEXT
+from data_prep.tokenizer import ENDOFTEXT, TOKENIZER_FILES, copy_tokenizer
 from megatron_mimesis.checkpoint.hf_import import import_worker
 from megatron_mimesis.checkpoint.integrity import record_files
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, DistCheckpointReader
@@ -29,8 +29,6 @@ from megatron_mimesis.models.family import Preset
 from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
 from megatron_mimesis.models.presets import architecture_differences, preset_from_hf_dir
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "chat_template.jinja", "tokenizer.model")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -117,12 +115,10 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
 
 
 def _copy_tokenizer(source: Path, dest: Path) -> None:
-    found = [name for name in TOKENIZER_FILES if (source / name).exists()]
-    if not found:
-        raise ConversionError(f"{source}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
-    dest.mkdir(exist_ok=True)
-    for name in found:
-        shutil.copy2(source / name, dest / name)
+    try:
+        copy_tokenizer(source, dest)
+    except FileNotFoundError as error:
+        raise ConversionError(str(error)) from None
 
 
 def _write_model_config(out: Path, preset: Preset, ref_config: dict | None, dtype: str,

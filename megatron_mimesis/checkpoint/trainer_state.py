@@ -42,6 +42,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShard
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
+from data_prep.tokenizer import copy_tokenizer
 from megatron_mimesis.checkpoint import optimizer_state, retention
 from megatron_mimesis.checkpoint.integrity import record_files, verify_files, verify_written
 from megatron_mimesis.checkpoint.reader import (
@@ -178,8 +179,9 @@ class CheckpointSaver:
     values of its own shard only, and the replicated weights written (from data-parallel rank 0) would mix two steps.
     Megatron-LM forces the sync before every save; so does :meth:`save`.
 
-    The tokenizer the run trained with is copied into ``iter_N/tokenizer`` so that a checkpoint exports to a complete
-    HF directory even after the data cache it came from has changed.
+    The tokenizer the run trained with is copied into ``iter_N/tokenizer`` (its files only: a run may name a model
+    directory as its tokenizer) so that a checkpoint exports to a complete HF directory even after the data cache it
+    came from has changed.
 
     Retention (``keep_last_n``, ``keep_every``: ``retention.py``) deletes older checkpoints after a publication, and
     only once the published checkpoint verifies against its ``files.json`` where it now lies; a checkpoint that does
@@ -238,7 +240,7 @@ class CheckpointSaver:
         def publish_on_rank_zero():
             (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2, sort_keys=True))
             if tokenizer_dir is not None:
-                shutil.copytree(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
+                copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_SUBDIR)
             problem = verify_written(tmp)
             if problem:
                 raise CheckpointError(problem)

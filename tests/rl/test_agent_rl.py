@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from data_prep.tokenizer import copy_tokenizer
+from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.training.config import ConfigError
 from tests.training.conftest import read_metrics, run_trainer
@@ -208,15 +210,27 @@ def test_a_step_whose_rollouts_all_failed_trains_nothing_and_still_saves(tiny_da
     """The user model unreachable from the start (nothing listens at its address): every episode of both steps ends as
     a counted error, no update is applied, and the checkpoints of both steps are written and resume. The save before
     the first update used to fail in megatron's distributed optimizer (torch Adam without state: ``assert len(steps)
-    == 1``), ending the run."""
+    == 1``), ending the run.
+
+    The tokenizer is the agent's own model directory, as the pipeline and the agent configs name it: each
+    checkpoint carries its tokenizer files, not its weights (a copy of the whole directory was ~16 GB at Qwen3-8B)."""
+    agent_dir = tmp_path / "agent"
+    shutil.copytree(tiny_hf_checkpoint, agent_dir)
+    tokenizer_files = copy_tokenizer(tiny_dataset / "tokenizer", agent_dir)
     args = _agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", "--train-iters", "2", "--save-interval", "1",
                        "--save", str(tmp_path / "ckpt"), "--user-model", "openai", "--user-model-options",
-                       json.dumps({"base_url": "http://127.0.0.1:9/v1", "model": "nobody", "max_retries": 0}))
+                       json.dumps({"base_url": "http://127.0.0.1:9/v1", "model": "nobody", "max_retries": 0}),
+                       "--tokenizer", str(agent_dir))
     run_trainer(2, *args, module=AGENT_RL, timeout=600)
     records = read_metrics(tmp_path / "run")
     assert [(r["iteration"], r["update_applied"], r["errors"], r["rows"]) for r in records] == [(1, False, 8, 0),
                                                                                              (2, False, 8, 0)]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+    saved = tmp_path / "ckpt" / "iter_0000002" / TOKENIZER_SUBDIR
+    assert sorted(p.name for p in saved.iterdir()) == sorted(tokenizer_files)
+    assert {p.name for p in agent_dir.glob("*.safetensors")} and not list(saved.glob("*.safetensors"))
+    for p in saved.iterdir():
+        assert p.read_bytes() == (agent_dir / p.name).read_bytes()
     shutil.rmtree(tmp_path / "ckpt" / "iter_0000002")  # requeued after step 1: resumes a fresh optimizer's checkpoint
     (tmp_path / "ckpt" / "latest").write_text("1\n")
     run_trainer(2, *args, module=AGENT_RL, timeout=600)
