@@ -20,7 +20,7 @@ from typing import ClassVar
 import yaml
 
 from megatron_mimesis.models.family import Preset
-from megatron_mimesis.models.presets import PRESETS, get_preset
+from megatron_mimesis.models.presets import PRESETS, TINY_PRESETS, get_preset
 from megatron_mimesis.training.memory.gpus import DEFAULT_GPU, GPU_MEMORY_GIB
 
 if typing.TYPE_CHECKING:
@@ -110,6 +110,8 @@ class TrainConfig:
     pretrained_hf: str | None = None  # HF checkpoint directory to start from (of the model preset's architecture)
     load: str | None = None  # megatron checkpoint directory to resume from (its `latest`)
     finetune: bool = False  # with load: take only the weights, start at iteration 0 with a fresh optimizer
+    # a model above the tiny presets starts from weights (pretrained_hf or load) unless this says it is meant not to
+    from_scratch: bool = False
     save: str | None = None
     save_interval: int | None = None
     ckpt_format: str = "torch_dist"
@@ -246,6 +248,10 @@ class TrainConfig:
     def validate_model_and_optimizer(self, world_size: int) -> None:
         """The checks every stage shares (the RL stages add their own on top)."""
         self.validate_without_files(world_size)
+        if not (self.pretrained_hf or self.load or self.from_scratch or self.model in TINY_PRESETS):
+            # checked here, not in validate_without_files: a memory plan of the config needs no weights
+            raise ConfigError(f"pretrained_hf: the {self.model} model would train from random weights; give "
+                              f"pretrained_hf (or load), or set from_scratch: true if that is the intent")
         if self.pretrained_hf is not None:
             self._check_pretrained_hf()
         if self.load:

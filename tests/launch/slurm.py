@@ -25,6 +25,16 @@ while true; do sleep 0.05; done
 """
 
 
+def released_hf_config(path: Path, preset_name: str) -> Path:
+    """A model's released HF config and a tokenizer stand-in, no weights: what a launcher's config check reads."""
+    from megatron_mimesis.models.presets import get_preset
+
+    preset = get_preset(preset_name)
+    preset.family.hf_config(preset).save_pretrained(path)
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
 def write_exe(path: Path, text: str) -> Path:
     path.write_text(text)
     path.chmod(0o755)
@@ -45,6 +55,11 @@ def slurm_env(env, tmp_path):
         # save-directory check is tested on its own (test_launch.py)
         "MIMESIS_SAVE_DIR_CHECKED": "1",
     }
+
+
+def midtrain_job(env, tmp_path) -> dict:
+    """A mid-training job's environment (midtrain_9b.yaml): the batch job's, with the model to start from."""
+    return {**slurm_env(env, tmp_path), "PRETRAINED_HF": str(released_hf_config(tmp_path / "qwen3.5-9b", "9b"))}
 
 
 def run(script, args, env, timeout: float = 120, **kwargs):

@@ -7,7 +7,16 @@ import sys
 
 from megatron_mimesis.pipeline.processes import free_port
 from tests.checkpoints import small_checkpoint
-from tests.launch.slurm import JOB_ID, REPO, run, slurm_env, trainer_json, write_exe
+from tests.launch.slurm import (
+    JOB_ID,
+    REPO,
+    midtrain_job,
+    released_hf_config,
+    run,
+    slurm_env,
+    trainer_json,
+    write_exe,
+)
 
 # Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
 FAKE_PYTHON = f"""#!/bin/bash
@@ -18,7 +27,7 @@ exec {sys.executable} "$@"
 
 def test_slurm_dry_run_has_paper_layout(fake):
     tmp_path, env = fake
-    result = run("midtrain.sh", ["--dry-run"], slurm_env(env, tmp_path))
+    result = run("midtrain.sh", ["--dry-run"], midtrain_job(env, tmp_path))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=64" in out
@@ -48,7 +57,7 @@ def test_slurm_launch_refuses_a_save_directory_without_room_before_srun(fake):
     """The paper's mid-training keeps 7 checkpoints of 116.8 GiB at once: the launcher's pre-check, whose memory plan
     sizes them, refuses a disk without room for them in one line, and the job never reaches srun."""
     tmp_path, env = fake
-    job = {k: v for k, v in slurm_env(env, tmp_path).items() if k != "MIMESIS_SAVE_DIR_CHECKED"}
+    job = {k: v for k, v in midtrain_job(env, tmp_path).items() if k != "MIMESIS_SAVE_DIR_CHECKED"}
     result = run("midtrain.sh", ["--save", str(tmp_path / "ckpt")], {**job, "SLURM_NNODES": "4"})
     assert result.returncode == 2 and result.stdout == "", result.stderr
     (line,) = result.stderr.splitlines()
@@ -62,7 +71,7 @@ def test_slurm_launch_refuses_a_layout_that_does_not_fit_before_srun(fake):
     the cheapest change that fits, and the job never reaches srun."""
     tmp_path, env = fake
     result = run("midtrain.sh", ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"],
-                 {**slurm_env(env, tmp_path), "SLURM_NNODES": "1"})
+                 {**midtrain_job(env, tmp_path), "SLURM_NNODES": "1"})
     assert result.returncode == 2 and result.stdout == "", result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: memory plan: per GPU needs ") and " GiB per GPU; the A100-80GB has 79.1, 75.1 " in line
@@ -76,12 +85,7 @@ def test_slurm_launch_refuses_a_config_whose_stop_save_outlasts_the_jobs_shutdow
     signal; the Qwen3.5-9B agent it also serves (CONFIG=launch/configs/rl_agent_9b.yaml) writes larger checkpoints
     and needs 840: refused in one line with the values to submit with, before srun."""
     tmp_path, env = fake
-    from megatron_mimesis.models.presets import get_preset
-
-    hf = tmp_path / "qwen3.5-9b"  # the released config (no weights: the check reads none)
-    preset = get_preset("9b")
-    preset.family.hf_config(preset).save_pretrained(hf)
-    (hf / "tokenizer.json").write_text("{}")
+    hf = released_hf_config(tmp_path / "qwen3.5-9b", "9b")
     job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2", "SHUTDOWN_TIMEOUT": "780"}
     result = run("rl_agent.sh", ["--pretrained-hf", str(hf), "--tokenizer", str(hf)],
                  {**job, "CONFIG": "launch/configs/rl_agent_9b.yaml"})
@@ -112,8 +116,9 @@ def test_slurm_launch_runs_one_torchrun_per_node(fake):
     fake_python = write_exe(tmp_path / "bin" / "python-fake", FAKE_PYTHON)
     # midtrain: sft_9b.yaml loads the mid-training checkpoint, which the launcher's config check finds missing here
     port = free_port()  # the batch shell's rendezvous store listens there while srun runs
-    result = run("midtrain.sh", ["--lr", "2e-5"], {**slurm_env(env, tmp_path), "SLURM_NNODES": "1",
-                                                    "PYTHON": str(fake_python), "MASTER_PORT": str(port)})
+    job = midtrain_job(env, tmp_path)
+    result = run("midtrain.sh", ["--lr", "2e-5"], {**job, "SLURM_NNODES": "1", "PYTHON": str(fake_python),
+                                                    "MASTER_PORT": str(port)})
     assert result.returncode == 0, result.stderr
     srun_args = (tmp_path / "log" / "srun").read_text().splitlines()
     assert srun_args[:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=64",
@@ -121,7 +126,8 @@ def test_slurm_launch_runs_one_torchrun_per_node(fake):
     torchrun = result.stdout.strip()
     assert torchrun.startswith("TORCHRUN -m megatron_mimesis.torchrun --nnodes 1 --nproc-per-node 8 --rdzv-backend c10d "
                                f"--rdzv-endpoint node001:{port} --rdzv-id {JOB_ID} --rdzv-conf is_host=false ")
-    assert torchrun.endswith(f"--config launch/configs/midtrain_9b.yaml --lr 2e-5 --data-path {tmp_path / 'data9b'}")
+    assert torchrun.endswith(f"--config launch/configs/midtrain_9b.yaml --lr 2e-5 --data-path {tmp_path / 'data9b'} "
+                             f"--pretrained-hf {job['PRETRAINED_HF']}")
 
 
 def test_slurm_launch_refuses_a_bad_config_before_srun(fake):
@@ -129,6 +135,11 @@ def test_slurm_launch_refuses_a_bad_config_before_srun(fake):
     result = run("midtrain.sh", ["--lr=-1"], slurm_env(env, tmp_path))
     assert result.returncode == 2
     assert result.stderr == "error: lr must be greater than 0, got -1\n" and result.stdout == ""
+    # the paper's mid-training without PRETRAINED_HF would train Qwen3.5-9B from random weights on 32 GPUs
+    result = run("midtrain.sh", [], slurm_env(env, tmp_path))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("error: pretrained_hf: the 9b model would train from random weights; give pretrained_hf "
+                             "(or load), or set from_scratch: true if that is the intent\n")
     assert not (tmp_path / "log" / "srun").exists() and not (tmp_path / "log" / "scontrol").exists()
 
 
@@ -178,12 +189,7 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
 
 def test_rl_agent_slurm_dry_run_has_the_paper_settings(fake):
     tmp_path, env = fake
-    from megatron_mimesis.models.presets import get_preset
-
-    hf = tmp_path / "qwen3-8b"  # the released config of the paper's agent (no weights: a dry run reads none)
-    preset = get_preset("qwen3-8b")
-    preset.family.hf_config(preset).save_pretrained(hf)
-    (hf / "tokenizer.json").write_text("{}")
+    hf = released_hf_config(tmp_path / "qwen3-8b", "qwen3-8b")  # the paper's agent
     args = ["--dry-run", "--pretrained-hf", str(hf), "--tokenizer", str(hf)]
     result = run("rl_agent.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"})
     assert result.returncode == 0, result.stderr
@@ -285,7 +291,7 @@ def test_gloo_takes_nccls_interfaces_or_the_default_routes_unless_set(fake):
     tmp_path, env = fake
     env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     write_exe(tmp_path / "bin" / "ip", "#!/bin/sh\necho 'default via 10.1.2.3 dev eth7 proto static'\n")
-    result = run("midtrain.sh", ["--dry-run"], slurm_env(env, tmp_path))
+    result = run("midtrain.sh", ["--dry-run"], midtrain_job(env, tmp_path))
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stdout.splitlines() if line.startswith("GLOO_SOCKET_IFNAME=")] == [
         "GLOO_SOCKET_IFNAME=eth7"]

@@ -52,6 +52,10 @@ def test_unknown_yaml_option_is_named(tmp_path):
     ({"seq_length": 10_000}, 1, "exceeds max_position_embeddings"),
     ({"model": "70b"}, 1, "unknown preset '70b'"),
     ({"context_parallel_size": 2}, 2, "needs Transformer Engine attention"),
+    ({"model": "9b", "tensor_model_parallel_size": 4}, 4,
+     "^pretrained_hf: the 9b model would train from random weights; give pretrained_hf \\(or load\\), or set "
+     "from_scratch: true if that is the intent$"),
+    ({"model": "qwen3-8b"}, 1, "^pretrained_hf: the qwen3-8b model would train from random weights"),
 ])
 def test_invalid_configs_fail_with_one_line_reason(tmp_path, changes, world, reason):
     with pytest.raises(ConfigError, match=reason) as info:
@@ -68,7 +72,7 @@ def test_missing_paths_are_refused(tmp_path):
 
 def test_batch_arithmetic_of_the_paper_layout(tmp_path):
     config = _valid(tmp_path, model="9b", tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
-                    sequence_parallel=True, global_batch_size=4096, seq_length=24576)
+                    sequence_parallel=True, global_batch_size=4096, seq_length=24576, from_scratch=True)
     config.validate(32)
     assert config.data_parallel_size(32) == 4
     assert config.num_microbatches(32) == 1024
