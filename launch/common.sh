@@ -147,14 +147,15 @@ quote_cmd() {
 # Its plan sizes the checkpoints, so it also checks that the save directory has room for those the run keeps, and the
 # ranks need not plan them again (MIMESIS_SAVE_DIR_CHECKED=1, which a caller that checked it itself may set too), and,
 # in a job that sets SHUTDOWN_TIMEOUT (the sbatch files), that it leaves the ranks the time this config needs to save
-# on the pre-timeout signal: one sbatch file serves several configs.
+# on the pre-timeout signal: one sbatch file serves several configs. It asks every endpoint the run will call (an RL
+# stage's user model, coach, judge, counterpart): one that does not answer would fail every request of the run.
 check_config() {
   local save_dir=(--check-save-dir) shutdown=()
   if [[ "${MIMESIS_SAVE_DIR_CHECKED:-}" == 1 ]]; then save_dir=(); fi
   # the sbatch files give the ranks SHUTDOWN_TIMEOUT to save after the pre-timeout signal: enough for this config?
   if ((in_slurm)) && [[ -n "${SHUTDOWN_TIMEOUT:-}" ]]; then shutdown=(--check-shutdown-timeout "$SHUTDOWN_TIMEOUT"); fi
   WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
-    "${train_args[@]}" --dry-run "${save_dir[@]}" "${shutdown[@]}" >/dev/null || exit $?
+    "${train_args[@]}" --dry-run --check-endpoints "${save_dir[@]}" "${shutdown[@]}" >/dev/null || exit $?
   export MIMESIS_SAVE_DIR_CHECKED=1
 }
 

@@ -121,6 +121,13 @@ def given_output(stage: Stage, value: str) -> Output:
         if not sep or not url.startswith(("http://", "https://")) or not model:
             raise PipelineError(f"{label}: a served endpoint is URL@MODEL (http://host:8000/v1@mimesis-sim), not "
                                 f"{value!r}")
+        from megatron_mimesis.training.config import ConfigError
+        from megatron_mimesis.training.endpoints import Endpoint, ask
+
+        try:  # the stages that read it would fail every request
+            ask(Endpoint(label, url, model))
+        except ConfigError as exc:
+            raise PipelineError(str(exc)) from None
         return Output("endpoint", endpoint=(url, model))
     path = Path(value).resolve()
     if not path.exists():

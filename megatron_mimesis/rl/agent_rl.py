@@ -121,7 +121,13 @@ class AgentRL(RLLoop):
 
     def _teacher(self, rows, step: int) -> tuple[list[list[float]], dict]:
         """Teacher log-probs per row (``NO_GATE`` where the coach gave no note) and the CSD counters."""
-        from megatron_mimesis.rl.agent.csd import NO_GATE, coach_prompt, placebo_corrected, teacher_context
+        from megatron_mimesis.rl.agent.csd import (
+            NO_GATE,
+            check_coach_failures,
+            coach_prompt,
+            placebo_corrected,
+            teacher_context,
+        )
         from megatron_mimesis.rl.update.scoring import score_rows
 
         c = self.config
@@ -132,6 +138,7 @@ class AgentRL(RLLoop):
             self.engine.sleep()
         else:
             notes = on_group_leader(lambda: self.coach.notes_many(prompts), self.mp_group)
+        check_coach_failures(notes, c.max_coach_failure_fraction, step + 1)  # step: the iterations done before it
         coached = [k for k, n in enumerate(notes) if n.note is not None]
         contexts = {k: teacher_context(self.chat, rows[k][1], rows[k][2], notes[k].note) for k in coached}
         scored = score_rows(self.trainer.model, [(contexts[k], rows[k][0].response_ids) for k in coached],

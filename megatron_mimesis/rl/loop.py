@@ -342,7 +342,7 @@ def rl_main(argv, config_cls, loop_cls, prog: str, description: str) -> int:
                     "data_parallel_size": config.data_parallel_size(world_size),
                     "rollouts_per_step": config.rollouts_per_step}
         return dry_run(config, world_size, plan_rl(config, world_size), resolved, args.check_save_dir,
-                       args.check_shutdown_timeout)
+                       args.check_shutdown_timeout, args.check_endpoints)
     if not start_run(config, world_size, resuming):
         return 2
     return run_to_completion(lambda: loop_cls(config).run(), config.log_dir)

@@ -337,6 +337,10 @@ class TrainConfig:
         if self.pretrained_hf and self.load:
             raise ConfigError("give either pretrained_hf (start from HF weights) or load (resume), not both")
 
+    def endpoints(self) -> list:
+        """The HTTP endpoints the run calls (``training/endpoints.py``): none for mid-training and SFT."""
+        return []
+
     def resolve_start(self) -> tuple["TrainConfig", str | None]:
         """Where the run starts, by one rule for every stage: a save directory holding a checkpoint resumes from it,
         whatever the config says about starting weights (``pretrained_hf``, ``load`` with ``finetune``), since the
@@ -432,6 +436,10 @@ def build_arg_parser(config_cls=TrainConfig, prog: str = "python -m megatron_mim
                         help="with --dry-run: also refuse (exit 2) a save directory without room for the checkpoints "
                              "the run keeps, from the plan's checkpoint size (the launchers' pre-check; the ranks "
                              "then skip it)")
+    parser.add_argument("--check-endpoints", action="store_true",
+                        help="with --dry-run: also ask every endpoint the run will call (an RL stage's user model, "
+                             "coach, judge, counterpart) and refuse (exit 2) one that does not answer or does not "
+                             "serve its model (the launchers' pre-check; rank 0 asks again as the run starts)")
     parser.add_argument("--check-shutdown-timeout", type=int, metavar="S",
                         help="with --dry-run: also refuse (exit 2) a job whose ranks get S seconds to stop and save "
                              "(its SHUTDOWN_TIMEOUT) when the run needs more (training/lead_times.py; the launchers' "

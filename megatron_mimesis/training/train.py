@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                     "num_microbatches": config.num_microbatches(world_size),
                     "tokens_per_step": config.global_batch_size * config.seq_length}
         return dry_run(config, world_size, plan_training(config, world_size), resolved, args.check_save_dir,
-                       args.check_shutdown_timeout)
+                       args.check_shutdown_timeout, args.check_endpoints)
     if not start_run(config, world_size, resuming):
         return 2
     tokenizer = manifest["tokenizer"]
@@ -455,12 +455,14 @@ def announce(line: str | None) -> None:
 
 
 def dry_run(config, world_size: int, planned: tuple, resolved: dict, check_save_dir: bool,
-            shutdown_timeout_s: int | None = None) -> int:
+            shutdown_timeout_s: int | None = None, check_endpoints: bool = False) -> int:
     """What ``--dry-run`` prints and exits with: the memory plan (``planned``: the plan and its refusal) with the
     resolved config; with ``check_save_dir`` (the launchers' pre-check) also whether ``save`` has room for the run's
     checkpoints, from the plan's checkpoint size; with ``shutdown_timeout_s`` (the job's SHUTDOWN_TIMEOUT, under
     SLURM) whether the ranks get the time the run needs to stop and save on a pre-timeout signal. An sbatch file
-    serves several configs, and one whose checkpoints or phases are larger would lose its stop save."""
+    serves several configs, and one whose checkpoints or phases are larger would lose its stop save. With
+    ``check_endpoints``, every endpoint the run will call is asked (``training/endpoints.py``)."""
+    from megatron_mimesis.training.endpoints import check_endpoints as ask_endpoints
     from megatron_mimesis.training.memory.plan import print_plan
     from megatron_mimesis.training.save_dir import check_save_dir as check
 
@@ -477,6 +479,8 @@ def dry_run(config, world_size: int, planned: tuple, resolved: dict, check_save_
                 f"needs to stop and save on SLURM's pre-timeout signal (its longest phase and two checkpoint writes: "
                 f"training/lead_times.py): submit with SHUTDOWN_TIMEOUT={details['shutdown_timeout_s']} sbatch "
                 f"--signal=B:USR1@{details['signal_lead_s']} ...")
+        if check_endpoints:
+            ask_endpoints(config.endpoints())
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -484,13 +488,17 @@ def dry_run(config, world_size: int, planned: tuple, resolved: dict, check_save_
 
 
 def start_run(config, world_size: int, resuming: str | None) -> bool:
-    """A rank's last checks before any work, which a save directory without room would lose: the save directory
+    """A rank's last checks before any work, which a save directory without room would lose: the endpoints the run
+    calls (``training/endpoints.py``, on rank 0: a server may have gone since the launcher asked), the save directory
     (``training/save_dir.py``: unless the launcher checked it, on rank 0), then the line saying where the run starts
-    and its log directory. False, after the one-line error, when the save directory cannot take the run's
-    checkpoints."""
+    and its log directory. False, after the one-line error, when an endpoint does not answer or the save directory
+    cannot take the run's checkpoints."""
+    from megatron_mimesis.training.endpoints import check_endpoints
     from megatron_mimesis.training.save_dir import check_save_dir, needs_check_here
 
     try:
+        if os.environ.get("RANK", "0") == "0":
+            check_endpoints(config.endpoints())
         if needs_check_here():
             check_save_dir(config, world_size)
     except ConfigError as exc:

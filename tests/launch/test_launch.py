@@ -17,6 +17,7 @@ from tests.launch.slurm import (
     trainer_json,
     write_exe,
 )
+from tests.rl.fakes import FakeOpenAIServer
 
 # Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
 FAKE_PYTHON = f"""#!/bin/bash
@@ -306,3 +307,26 @@ def test_gloo_takes_nccls_interfaces_or_the_default_routes_unless_set(fake):
     for nccl_only in ("=lo", "ib", "lo,ib"):  # NCCL's exact form, a prefix: not for gloo
         assert gloo_ifname(NCCL_SOCKET_IFNAME=nccl_only) == "eth7", nccl_only
     assert gloo_ifname(GLOO_SOCKET_IFNAME="bond0") == "bond0"
+
+
+def test_slurm_launch_asks_every_endpoint_before_srun_and_refuses_a_placeholder(fake):
+    """The shipped agent config names its simulator and coach by placeholders (EDIT): the job is refused before srun,
+    in one line naming the field and the URL, until each answers with its model; it used to train plain GRPO with
+    every coach request failing."""
+    tmp_path, env = fake
+    hf = released_hf_config(tmp_path / "qwen3-8b", "qwen3-8b")
+    job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"}
+    args = ["--pretrained-hf", str(hf), "--tokenizer", str(hf)]
+    with FakeOpenAIServer(models=["mimesis-sim"]) as simulator:
+        refusals = []
+        for user in ({}, {"base_url": simulator.base_url, "model": "mimesis-sim"}):
+            result = run("rl_agent.sh", [*args, "--user-model-options", json.dumps(user)] if user else args, job)
+            assert result.returncode == 2 and result.stdout == "", result.stderr
+            refusals += result.stderr.splitlines()
+    assert len(refusals) == 2, refusals
+    assert re.fullmatch(r"error: user_model_options: http://SIMULATOR_HOST:8000/v1/models did not answer \(.+\); "
+                        r"the run would call it at every step", refusals[0]), refusals
+    assert re.fullmatch(r"error: coach_options: http://COACH_HOST:8000/v1/models did not answer \(.+\); "
+                        r"the run would call it at every step", refusals[1]), refusals
+    assert simulator.requests == []  # asked for its model list only
+    assert not (tmp_path / "log" / "srun").exists()

@@ -13,6 +13,7 @@ import yaml
 
 from megatron_mimesis.pipeline import definition, manifest
 from megatron_mimesis.pipeline.resolve import resolve
+from tests.rl.fakes import FakeOpenAIServer
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "launch" / "pipelines" / "demo.yaml"
@@ -51,6 +52,14 @@ def paper_inputs(tmp_path_factory, tiny_dataset):
 def test_a_missing_checkpoint_fails_at_launch_in_one_line(tmp_path):
     line = one_line_error(pipeline("run", DEMO, "--check", "--run-dir", tmp_path, "--given", "midtrain=/no/such/ckpt"))
     assert line == f"error: {DEMO}: stages.midtrain (--given): /no/such/ckpt: no such directory"
+
+
+def test_a_given_server_is_asked_for_its_model_at_launch(tmp_path):
+    with FakeOpenAIServer(models=["mimesis-sim"]) as server:
+        given = ["--given", f"simulator_server={server.base_url}@another-model"]
+        line = one_line_error(pipeline("run", DEMO, "--check", "--run-dir", tmp_path, *given))
+    assert line == (f"error: {DEMO}: stages.simulator_server (--given): {server.base_url} serves ['mimesis-sim'], not "
+                    f"the model 'another-model'")
 
 
 def test_data_encoded_with_another_tokenizer_than_the_checkpoint_it_fine_tunes_fails_at_launch(tmp_path, tiny_dataset):

@@ -95,11 +95,15 @@ class FakeOpenAIServer:
     "length"), ``logprobs`` come back as ``logprob_of(k)`` for the k-th token, and the vLLM extensions named in
     ``id_fields`` are honoured (``return_token_ids``: ``token_ids``; ``return_tokens_as_token_ids``: logprob
     tokens ``"token_id:{id}"``; remove them to play an older or non-vLLM server). With ``refuse_echo`` it answers
-    a request for prompt log-probs (``echo``) with 400, as a chat-model API does."""
+    a request for prompt log-probs (``echo``) with 400, as a chat-model API does.
+
+    ``GET /v1/models`` lists ``models`` (what a run's preflight asks); with ``api_key`` it answers 401 to a request
+    without that bearer key."""
 
     def __init__(self, reply=lambda messages: "ok " + messages[-1]["content"], complete=lambda prompt: "ok",
-                 encode=None, refuse_echo=False):
+                 encode=None, refuse_echo=False, models=("sim",), api_key=None):
         self.reply = reply
+        self.models, self.api_key = list(models), api_key
         self.refuse_echo = refuse_echo
         self.complete = complete
         self.encode = encode
@@ -178,9 +182,19 @@ class FakeOpenAIServer:
         routes = {"/v1/chat/completions": fake._answer, "/v1/completions": fake._completion}
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path != "/v1/models":
+                    self._send(404, {})
+                elif fake.api_key and self.headers.get("Authorization") != f"Bearer {fake.api_key}":
+                    self._send(401, {"error": {"message": "invalid api key", "type": "invalid_request_error"}})
+                else:
+                    self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = routes[self.path](body) if self.path in routes else (404, {})
+                self._send(*(routes[self.path](body) if self.path in routes else (404, {})))
+
+            def _send(self, status, payload):
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -11,6 +11,7 @@ from data_prep.tokenizer import copy_tokenizer
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR
 from megatron_mimesis.rl.agent.config import AgentRLConfig
 from megatron_mimesis.training.config import ConfigError
+from tests.rl.fakes import FakeOpenAIServer
 from tests.training.conftest import read_metrics, run_trainer
 
 AGENT_RL = "megatron_mimesis.rl.agent_rl"
@@ -206,9 +207,10 @@ def test_several_optimizer_steps_per_batch_clip_from_the_second_on(tiny_dataset,
 
 
 @pytest.mark.slow
-def test_a_step_whose_rollouts_all_failed_trains_nothing_and_still_saves(tiny_dataset, tiny_hf_checkpoint, tmp_path):
-    """The user model unreachable from the start (nothing listens at its address): every episode of both steps ends as
-    a counted error, no update is applied, and the checkpoints of both steps are written and resume. The save before
+def test_a_step_whose_rollouts_all_failed_trains_nothing_and_still_saves(tiny_dataset, tiny_hf_checkpoint, tmp_path,
+                                                                         request):
+    """The user model failing every request from the start (its server lists the model, then answers 500): every
+    episode of both steps ends as a counted error, no update is applied, and the checkpoints of both steps are written and resume. The save before
     the first update used to fail in megatron's distributed optimizer (torch Adam without state: ``assert len(steps)
     == 1``), ending the run.
 
@@ -217,9 +219,12 @@ def test_a_step_whose_rollouts_all_failed_trains_nothing_and_still_saves(tiny_da
     agent_dir = tmp_path / "agent"
     shutil.copytree(tiny_hf_checkpoint, agent_dir)
     tokenizer_files = copy_tokenizer(tiny_dataset / "tokenizer", agent_dir)
+    user = FakeOpenAIServer(models=["nobody"]).__enter__()
+    user.broken = True
+    request.addfinalizer(lambda: user.__exit__(None, None, None))
     args = _agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / "run", "--train-iters", "2", "--save-interval", "1",
                        "--save", str(tmp_path / "ckpt"), "--user-model", "openai", "--user-model-options",
-                       json.dumps({"base_url": "http://127.0.0.1:9/v1", "model": "nobody", "max_retries": 0}),
+                       json.dumps({"base_url": user.base_url, "model": "nobody", "max_retries": 0}),
                        "--tokenizer", str(agent_dir))
     run_trainer(2, *args, module=AGENT_RL, timeout=600)
     records = read_metrics(tmp_path / "run")
@@ -236,3 +241,28 @@ def test_a_step_whose_rollouts_all_failed_trains_nothing_and_still_saves(tiny_da
     run_trainer(2, *args, module=AGENT_RL, timeout=600)
     assert [r["iteration"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"
+
+
+@pytest.mark.slow
+def test_a_coach_that_does_not_answer_stops_the_run_instead_of_turning_csd_off(tiny_dataset, tiny_hf_checkpoint,
+                                                                               tmp_path):
+    """Rank 0 asks the coach before anything starts (a server that does not serve the model: exit 2, one line); a
+    coach that answers its model list but fails its notes stops the run at the first step past
+    max_coach_failure_fraction, naming the error, where it used to train plain GRPO with a counter going up."""
+    with FakeOpenAIServer(models=["coach"]) as coach:
+        def agent_rl(model, name):
+            options = {"base_url": coach.base_url, "model": model, "max_retries": 0}
+            return run_trainer(1, *_agent_args(tiny_dataset, tiny_hf_checkpoint, tmp_path / name, "--train-iters", "2",
+                                               "--coach", "openai", "--coach-options", json.dumps(options)),
+                               module=AGENT_RL, check=False, timeout=600)
+
+        unserved = agent_rl("COACH_MODEL", "unserved")
+        coach.broken = True
+        broken = agent_rl("coach", "broken")
+    assert unserved.returncode == 2, unserved.stderr[-3000:]
+    assert unserved.stderr.strip().splitlines()[-1] == (
+        f"error: coach_options: {coach.base_url} serves ['coach'], not the model 'COACH_MODEL'")
+    assert broken.returncode == 1, broken.stderr[-3000:]
+    assert re.search(r"the coach failed (\d+) of \1 notes at iteration 1, more than max_coach_failure_fraction 0\.5: CSD "
+                     r"would be off; first error: InternalServerError", broken.stderr), broken.stderr[-3000:]
+    assert not (tmp_path / "broken" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "broken")

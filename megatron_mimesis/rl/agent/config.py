@@ -12,6 +12,7 @@ from megatron_mimesis.models.presets import TINY_PRESETS
 from megatron_mimesis.rl.config import RLConfig
 from megatron_mimesis.rl.envs import ENVS
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, ConfigError, Range
+from megatron_mimesis.training.endpoints import Endpoint
 
 # "scripted": the toy env's scripted user; "local": a frozen megatron copy of the simulator in the training
 # processes (it must share the agent's architecture and tokenizer; otherwise serve it and use "openai")
@@ -54,11 +55,13 @@ class AgentRLConfig(RLConfig):
     csd_placebo: bool = False  # teacher(note) - teacher(placebo note) + student, removing the note's generic shift
     placebo_note: str = "Keep helping the user."
     csd_log_samples: int = 4  # coach notes (with thoughts and teacher context) written to csd_samples.jsonl per step
+    # a step whose coach failed more of its notes than this stops the run: CSD is never silently off
+    max_coach_failure_fraction: float = 0.5
 
     RANGES: ClassVar[dict[str, Range]] = {
         **RLConfig.RANGES, "tasks_per_step": AT_LEAST_1, "max_agent_turns": AT_LEAST_1, "gamma": Range(0, 1),
         "coach_max_new_tokens": AT_LEAST_1, "csd_alpha": NON_NEGATIVE, "csd_beta": NON_NEGATIVE,
-        "csd_log_samples": NON_NEGATIVE,
+        "csd_log_samples": NON_NEGATIVE, "max_coach_failure_fraction": Range(0, 1),
     }
 
     @property
@@ -68,6 +71,12 @@ class AgentRLConfig(RLConfig):
     @property
     def groups_per_step(self) -> int:
         return self.tasks_per_step
+
+    def endpoints(self) -> list[Endpoint]:
+        named = (("user_model_options", self.user_model, self.user_model_options),
+                 ("coach_options", self.coach, self.coach_options))
+        return [Endpoint.from_options(where, options) for where, kind, options in named
+                if kind == "openai" and {"base_url", "model"} <= set(options)]
 
     def validate_without_files(self, world_size: int) -> None:
         super().validate_without_files(world_size)

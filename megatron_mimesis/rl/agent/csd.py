@@ -12,7 +12,9 @@ rollouts of a step and only in teacher contexts; ``agent_chat.check_agent_contex
 carrying the header.
 
 A coach failure (an error, an empty note) drops that turn's CSD term and is counted; it never becomes a made-up
-note. In the loss a dropped turn's teacher log-probs are -inf, which closes its gate exactly (g = 0).
+note. In the loss a dropped turn's teacher log-probs are -inf, which closes its gate exactly (g = 0). A step whose
+coach failed more than ``max_coach_failure_fraction`` of its notes stops the run (:func:`check_coach_failures`): past
+that, the run would be training plain GRPO under a CSD config.
 """
 
 import math
@@ -45,6 +47,19 @@ class Coach(Protocol):
     def notes_many(self, prompts: list[str]) -> list[NoteResult]:
         """One note per filled coach prompt, in order."""
         ...
+
+
+class CoachFailed(RuntimeError):
+    pass
+
+
+def check_coach_failures(notes: list[NoteResult], bound: float, iteration: int) -> None:
+    """Raise CoachFailed, naming the first error, when more than ``bound`` of ``notes`` failed."""
+    failed = [n for n in notes if n.note is None]
+    if notes and len(failed) > bound * len(notes):
+        first = next((n.error for n in failed if n.error), "empty notes")
+        raise CoachFailed(f"the coach failed {len(failed)} of {len(notes)} notes at iteration {iteration}, more than "
+                          f"max_coach_failure_fraction {bound:g}: CSD would be off; first error: {first}")
 
 
 def coach_prompt(chat, episode: AgentEpisode, turn_index: int, template: str) -> str:

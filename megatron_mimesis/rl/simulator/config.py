@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from megatron_mimesis.rl.config import RLConfig
 from megatron_mimesis.training.config import AT_LEAST_1, ConfigError, Range
+from megatron_mimesis.training.endpoints import Endpoint
 
 COUNTERPARTS = ("openai", "scripted")
 
@@ -37,6 +38,19 @@ class SimulatorRLConfig(RLConfig):
     @property
     def groups_per_step(self) -> int:
         return self.prompts_per_step
+
+    def endpoints(self) -> list[Endpoint]:
+        """The counterpart, and each judge a used reward's options name (``reward_options.NAME[.KEY]``)."""
+        found = []
+        if self.counterpart == "openai" and {"base_url", "model"} <= set(self.counterpart_options):
+            found.append(Endpoint.from_options("counterpart_options", self.counterpart_options))
+        for name in sorted(set(self.domain_rewards.values())):
+            options = self.reward_options.get(name) or {}
+            candidates = {f"reward_options.{name}": options, **{f"reward_options.{name}.{key}": value
+                                                               for key, value in options.items()}}
+            found += [Endpoint.from_options(where, value) for where, value in candidates.items()
+                      if isinstance(value, dict) and {"base_url", "model"} <= set(value)]
+        return found
 
     def validate(self, world_size: int) -> None:
         self.validate_rl(world_size)
