@@ -25,7 +25,8 @@ class RLConfig(TrainConfig):
     min_lr: float = 1e-6
     lr_warmup_iters: int = 0
     lr_decay_style: str = "constant"
-    # the policy's tokenizer (an HF directory); its special tokens drive the chat template
+    # the policy's tokenizer (an HF directory); its special tokens drive the chat template. Unset with `load`: the
+    # tokenizer saved with that checkpoint (its latest iteration), so a config names no iteration
     tokenizer: str | None = None
     # rollouts: "local" decodes with the training model itself (CPU, tests); "vllm" runs vLLM colocated in the
     # training processes, asleep while the trainer steps, its weights synced after every update
@@ -87,6 +88,23 @@ class RLConfig(TrainConfig):
         "rollout_correction_cap": Range(1, low_open=True),  # the band [1/cap, cap] must contain 1
         "rollout_correction_warn_frac": Range(0, 1),
     }
+
+    def resolve_start(self) -> tuple["RLConfig", str | None]:
+        """The trainer's start, and an unset tokenizer read from the checkpoint the run loads (on a resume its own,
+        which carries the same tokenizer files)."""
+        config, line = super().resolve_start()
+        if config.tokenizer is None and config.load:
+            from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, CheckpointError, resolve_checkpoint_dir
+
+            try:
+                saved = resolve_checkpoint_dir(config.load) / TOKENIZER_SUBDIR
+            except CheckpointError as exc:
+                raise ConfigError(f"load: {exc}") from None
+            if not (saved / "tokenizer.json").is_file():
+                raise ConfigError(f"tokenizer: not given, and {saved} (the one saved with the checkpoint load names) "
+                                  f"is not an HF tokenizer directory")
+            config = config.replace(tokenizer=str(saved))
+        return config, line
 
     def validate_rl(self, world_size: int) -> None:
         self.validate_model_and_optimizer(world_size)

@@ -162,14 +162,19 @@ def test_rl_simulator_dry_run_runs_the_rl_entry_point(fake):
 
 def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
     tmp_path, env = fake
-    tokenizer, checkpoint = tmp_path / "sft-tok", tmp_path / "sft-ckpt"
-    tokenizer.mkdir()
-    (tokenizer / "tokenizer.json").write_text("{}")
-    small_checkpoint(checkpoint, 203)
+    checkpoint = tmp_path / "sft-ckpt"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "p0", "domain": "abcd", "prompt": "Book a flight."}\n')
-    args = ["--dry-run", "--load", str(checkpoint), "--tokenizer", str(tokenizer), "--prompts", json.dumps([str(prompts)])]
-    result = run("rl_simulator.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"})
+    args = ["--dry-run", "--load", str(checkpoint), "--prompts", json.dumps([str(prompts)])]
+    job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"}
+    tokenizer = small_checkpoint(checkpoint, 203) / "tokenizer"  # the config names no iteration: the latest's
+    result = run("rl_simulator.sh", args, job)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: tokenizer: not given, and {tokenizer} (the one saved with the checkpoint load names) is not an HF "
+        f"tokenizer directory\n"), result.stderr
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    result = run("rl_simulator.sh", args, job)
     assert result.returncode == 0, result.stderr
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=64" in result.stdout
     assert "--nnodes 2 --nproc-per-node 8" in result.stdout
@@ -181,7 +186,7 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
     assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (4, 1)
     assert (config["engine"], config["train_iters"], config["lr"], config["lr_decay_style"]) == ("vllm", 500, 1e-6,
                                                                                                 "constant")
-    assert config["load"] == str(checkpoint) and config["finetune"]
+    assert config["load"] == str(checkpoint) and config["finetune"] and config["tokenizer"] == str(tokenizer)
     from megatron_mimesis.rl.engines.vllm import check_vllm_config
     from megatron_mimesis.rl.simulator.config import SimulatorRLConfig
 
