@@ -16,6 +16,7 @@ The relay is one process without children; SIGTERM or SIGINT stops it.
 """
 
 import argparse
+import os
 import signal
 import sys
 
@@ -35,11 +36,12 @@ def with_marker(payload: dict, path: str, marker: str) -> dict:
 
 
 class MarkerRelay(Relay):
-    def __init__(self, address: tuple[str, int], upstream: str, end_marker: str, timeout_s: float = 600.0):
+    def __init__(self, address: tuple[str, int], upstream: str, end_marker: str, timeout_s: float = 600.0,
+                 api_key: str | None = None):
         if not end_marker.strip():
             raise ValueError("--end-marker must not be empty")
         self.end_marker = end_marker
-        super().__init__(address, upstream, timeout_s)
+        super().__init__(address, upstream, timeout_s, api_key)
 
     def prepare(self, path: str, request: dict | None) -> Exchange:
         marker = self.end_marker
@@ -65,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"what clients hear for the trained {END_MARKER} (tau2: ###STOP###); a request's "
                              f"{MARKER_FIELD} field overrides it")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per relayed request")
+    parser.add_argument("--api-key", default=os.environ.get("MIMESIS_UPSTREAM_API_KEY"),
+                        help="the upstream's key (vllm serve --api-key), sent in place of the client's (default: "
+                             "$MIMESIS_UPSTREAM_API_KEY, else the client's own Authorization header)")
     args = parser.parse_args(argv)
     try:
-        relay = MarkerRelay((args.host, args.port), args.upstream, args.end_marker, args.timeout_s)
+        relay = MarkerRelay((args.host, args.port), args.upstream, args.end_marker, args.timeout_s, args.api_key)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -62,13 +62,15 @@ def error_payload(message: str, kind: str) -> dict:
 
 class Relay(ThreadingHTTPServer):
     """An HTTP server on ``address`` relaying every request to ``upstream`` (the server's root URL, with or without
-    its ``/v1``)."""
+    its ``/v1``). With ``api_key`` the upstream gets that key in place of the client's: the gyms send ``Bearer EMPTY``,
+    which a server started with ``vllm serve --api-key`` answers with 401."""
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], upstream: str, timeout_s: float = 600.0):
+    def __init__(self, address: tuple[str, int], upstream: str, timeout_s: float = 600.0, api_key: str | None = None):
         self.upstream = upstream.rstrip("/").removesuffix("/v1")
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self.thread: threading.Thread | None = None
         super().__init__(address, _Handler)
 
@@ -138,9 +140,12 @@ class _Handler(BaseHTTPRequestHandler):
         except Refused as refused:
             return self._reply(refused.status, error_payload(refused.message, refused.kind))
         data = body if exchange.request is None else json.dumps(exchange.request).encode()
+        dropped = HOP_HEADERS + (("authorization",) if self.server.api_key else ())
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+        if self.server.api_key:
+            headers["Authorization"] = f"Bearer {self.server.api_key}"
         forwarded = urllib.request.Request(f"{self.server.upstream}{exchange.path}", data=data, method=self.command,
-                                           headers={k: v for k, v in self.headers.items()
-                                                    if k.lower() not in HOP_HEADERS})
+                                           headers=headers)
         start = time.perf_counter()
         try:
             with urllib.request.urlopen(forwarded, timeout=self.server.timeout_s) as answer:

@@ -97,8 +97,8 @@ class FakeOpenAIServer:
     tokens ``"token_id:{id}"``; remove them to play an older or non-vLLM server). With ``refuse_echo`` it answers
     a request for prompt log-probs (``echo``) with 400, as a chat-model API does.
 
-    ``GET /v1/models`` lists ``models`` (what a run's preflight asks); with ``api_key`` it answers 401 to a request
-    without that bearer key."""
+    ``GET /v1/models`` lists ``models`` (what a run's preflight asks); with ``api_key`` it answers every request
+    without that bearer key with 401, as ``vllm serve --api-key`` does."""
 
     def __init__(self, reply=lambda messages: "ok " + messages[-1]["content"], complete=lambda prompt: "ok",
                  encode=None, refuse_echo=False, models=("sim",), api_key=None):
@@ -192,6 +192,8 @@ class FakeOpenAIServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if fake.api_key and self.headers.get("Authorization") != f"Bearer {fake.api_key}":
+                    return self._send(401, {"error": {"message": "invalid api key", "type": "invalid_request_error"}})
                 self._send(*(routes[self.path](body) if self.path in routes else (404, {})))
 
             def _send(self, status, payload):

@@ -83,6 +83,18 @@ def test_each_client_hears_its_own_end_marker_and_the_rest_passes_untouched(upst
         assert status == 503 and answer["error"]["message"] == "scripted failure"
     finally:
         assert relay.stop() == 0  # SIGTERM ends it at once, with status 0
+    # a server started with --api-key: the relay sends its key in place of the client's (gyms send Bearer EMPTY)
+    upstream.api_key = "sim-key"
+    assert relay_status(upstream, []) == 401
+    assert relay_status(upstream, ["--api-key", "sim-key"]) == 200
+
+
+def relay_status(upstream, args: list[str]) -> int:
+    relay = Relay(upstream.base_url, *args)
+    try:
+        return relay.post("/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})[0]
+    finally:
+        relay.stop()
 
 
 def test_the_trained_marker_is_kept_by_default_and_a_dead_server_is_a_502_naming_it(upstream):

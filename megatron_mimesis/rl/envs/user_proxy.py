@@ -58,12 +58,13 @@ class _Episode:
 class UserProxy(Relay):
     """The proxy for the simulator served at ``upstream`` under the name ``model``."""
 
-    def __init__(self, upstream: str, model: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0):
+    def __init__(self, upstream: str, model: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0,
+                 api_key: str | None = None):
         self.model = model
         self.episodes: dict[str, _Episode] = {}
         self.lock = threading.Lock()
         self.counts = {"requests": 0, "failures": 0, "seconds": 0.0}
-        super().__init__((host, port), upstream, timeout_s)
+        super().__init__((host, port), upstream, timeout_s, api_key)
 
     def open_episode(self, key: str, end_marker: str = END_MARKER, request_fields: dict | None = None,
                      seed: int | None = None) -> str:

@@ -402,7 +402,7 @@ class UserRLSuite:
                 if self.user_endpoint is None:
                     raise RuntimeError("the userrl suite has no user endpoint: connect() it to the served simulator")
                 self._proxy = UserProxy(self.user_endpoint["base_url"], self.user_endpoint["model"],
-                                        timeout_s=self.timeout_s).start()
+                                        timeout_s=self.timeout_s, api_key=self.user_endpoint["api_key"]).start()
             return self._proxy
 
     def episode_key(self) -> str:

@@ -93,8 +93,9 @@ def _question_answered(messages):
 
 
 def test_telepathy_gym_calls_its_user_through_the_proxy():
-    with FakeOpenAIServer(reply=_question_answered) as upstream:
-        suite = build_suite("userrl", TELEPATHY).connect(upstream.base_url, "mimesis-sim")
+    """The upstream asks for a key (vllm serve --api-key): the gym sends Bearer EMPTY, the proxy the run's key."""
+    with FakeOpenAIServer(reply=_question_answered, api_key="sim-key") as upstream:
+        suite = build_suite("userrl", TELEPATHY).connect(upstream.base_url, "mimesis-sim", api_key="sim-key")
         runner, engine, tokenizer = _runner([[call("action", "Is it a person?")], [call("answer", "Marie Curie")],
                                              [call("finish", "done")]])
         (episode,) = runner.run(suite, ["TelepathyGym/entity_001"], rollouts_per_task=1, step_seed=2)
