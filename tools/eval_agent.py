@@ -159,6 +159,9 @@ def _json_default(value):
 
 
 # --------------------------------------------------------------------------- CLI
+USER_MAX_NEW_TOKENS, USER_TEMPERATURE = 1024, 1.0
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agent", action="append", default=[], metavar="NAME=SPEC",
@@ -171,15 +174,19 @@ def parse_args(argv):
     parser.add_argument("--tasks", type=int, metavar="N",
                         help="evaluate the first N tasks of the split, of each domain (gym) where it has several "
                              "(default: all)")
-    parser.add_argument("--trials", type=int, default=1, metavar="K", help="episodes per task and pair (scores average them)")
+    parser.add_argument("--trials", type=int, default=1, metavar="K",
+                        help="episodes per task and pair; a task scores the mean of its trials on tau2 and toy, their "
+                             "best on userrl (UserRL's best of K)")
     parser.add_argument("--max-agent-turns", type=int, default=30, help="agent generations per episode")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="per agent generation")
     parser.add_argument("--temperature", type=float, default=0.0, help="agent sampling temperature (0: greedy)")
     parser.add_argument("--agent-thinking", action=argparse.BooleanOptionalAction, default=True,
                         help="render agent prompts with thinking on, in the agent family's thinking template (as "
                              "agent RL trains)")
-    parser.add_argument("--user-max-new-tokens", type=int, default=1024, help="per user turn (hf and openai users)")
-    parser.add_argument("--user-temperature", type=float, default=1.0, help="user model sampling temperature")
+    parser.add_argument("--user-max-new-tokens", type=int, help=f"per user turn (default {USER_MAX_NEW_TOKENS}; not "
+                        "for userrl, whose gyms sample their user themselves: request_fields in --env-options)")
+    parser.add_argument("--user-temperature", type=float, help=f"user model sampling temperature (default "
+                        f"{USER_TEMPERATURE}; not for userrl, likewise)")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory for every agent and hf user (default: the "
                                             "checkpoint's, or an openai agent's MODEL when it is a directory)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per endpoint")
@@ -196,7 +203,7 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
     if not args.agent or not args.user:
         raise EvalError("give at least one --agent and one --user")
     for flag in ("trials", "max_agent_turns", "max_new_tokens", "user_max_new_tokens", "concurrency"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise EvalError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.tasks is not None and args.tasks < 1:
         raise EvalError("--tasks must be at least 1")
@@ -205,6 +212,9 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
     agents = parse_specs(args.agent, "agent", AGENT_KINDS, args.env, args.tokenizer)
     users = parse_specs(args.user, "user", USER_KINDS, args.env, args.tokenizer)
     options = parse_env_options(args.env_options)
+    if args.env == "userrl":  # the gyms' evaluation reward, as UserRL reports, unless the options name the training one
+        options.setdefault("reward", "eval")
+        args.env_options = json.dumps(options)  # what results.json records: the options the run used
     if args.env == "tau2" and "domain" not in options:
         raise EvalError('--env tau2 needs --env-options \'{"domain": ...}\'')
     try:
@@ -228,6 +238,14 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
         if wrong:
             raise EvalError(f"--user {', '.join(wrong)}: {suite.name}'s envs call their user themselves, so a user is "
                             f"an endpoint (openai:BASE_URL@MODEL, e.g. vllm serve of the simulator)")
+        given = [flag for flag in ("--user-max-new-tokens", "--user-temperature")
+                 if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            raise EvalError(f"{', '.join(given)}: {suite.name}'s envs sample their user themselves; set a gym's "
+                            f"request_fields in --env-options instead")
+    else:
+        args.user_max_new_tokens = args.user_max_new_tokens or USER_MAX_NEW_TOKENS
+        args.user_temperature = USER_TEMPERATURE if args.user_temperature is None else args.user_temperature
     prepare_output(args.output, args.overwrite)
     return agents, users, suite, task_ids
 

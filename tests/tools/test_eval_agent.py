@@ -182,7 +182,9 @@ def test_two_gyms_by_three_user_models_are_scored_as_the_paper_scores_them(token
                                 "--agent", f"oracle=openai:{agent.base_url}@oracle", "--tokenizer", str(tokenizer_dir),
                                 *(flag for user in users for flag in ("--user", user)), "--output", str(out)])
     assert code == 0
-    pairs = {p["user"]: p for p in json.loads((out / "results.json").read_text())["pairs"]}
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["env_options"]["reward"] == "eval"  # the gyms' evaluation reward unless asked otherwise
+    pairs = {p["user"]: p for p in results["pairs"]}
     assert {user: p["domain_scores"] for user, p in pairs.items()} == {
         "agreeable": {"FunctionGym": 1.0, "TelepathyGym": 1.0}, "strict": {"FunctionGym": 1.0, "TelepathyGym": 0.0},
         "picky": {"FunctionGym": 1.0, "TelepathyGym": 1.0}}  # picky accepted one of the two trials: best of 2
@@ -198,3 +200,19 @@ def test_two_gyms_by_three_user_models_are_scored_as_the_paper_scores_them(token
     assert [m["role"] for m in function["messages"]] == ["user", "assistant", "tool", "assistant", "tool"]
     assert function["messages"][-1]["content"] == "Your answer is correct!\nReward: 1"
     assert function["termination"] == "env_done" and function["score_info"]["success"]
+
+
+def test_userrl_refuses_user_sampling_options_its_gyms_would_ignore(tokenizer_dir, tmp_path, capsys):
+    pytest.importorskip("functiongym", reason="UserRL's gyms: make venv installs them from ../shared/third_party")
+    args = ["--env", "userrl", "--env-options", json.dumps({"gyms": {"FunctionGym": {}}}), "--tokenizer",
+            str(tokenizer_dir), "--agent", "a=openai:http://h/v1@m", "--user", "u=openai:http://h/v1@u", "--output",
+            str(tmp_path / "o")]
+    for flags in (["--user-temperature", "0.7"], ["--user-max-new-tokens", "64", "--user-temperature", "0"]):
+        assert eval_agent.main([*args, *flags]) == 2
+        given = ", ".join(f for f in flags if f.startswith("--"))
+        assert capsys.readouterr().err == (f"error: {given}: userrl's envs sample their user themselves; set a gym's "
+                                           f"request_fields in --env-options instead\n")
+    with pytest.raises(SystemExit):
+        eval_agent.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a task scores the mean of its trials on tau2 and toy, their best on userrl" in help_text
