@@ -46,11 +46,13 @@ def logprobs_for(n: int) -> list[float]:
 class ScriptedEngine:
     """Replays ``texts[k]`` on the k-th ``generate`` call, which must bring exactly that many prompts.
 
-    A generation's ids are its text encoded with special tokens (as a model would sample them) plus <|im_end|>."""
+    A generation's ids are its text encoded with special tokens (as a model would sample them) plus <|im_end|>; with
+    ``finish_reason="length"`` every generation is one cut at the token limit instead (no <|im_end|>)."""
 
-    def __init__(self, tokenizer, texts: list[list[str]]):
+    def __init__(self, tokenizer, texts: list[list[str]], finish_reason: str = "stop"):
         self.tokenizer = tokenizer
         self.texts = texts
+        self.finish_reason = finish_reason
         self.calls: list[tuple[list[list[int]], SamplingParams]] = []
         self.sleeps = 0
         self.wakes = 0
@@ -61,8 +63,8 @@ class ScriptedEngine:
         self.calls.append(([list(p) for p in prompts], sampling))
         generations = []
         for text in texts:
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False) + [IM_END]
-            generations.append(Generation(token_ids, text, logprobs_for(len(token_ids)), "stop"))
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False) + [IM_END] * (self.finish_reason == "stop")
+            generations.append(Generation(token_ids, text, logprobs_for(len(token_ids)), self.finish_reason))
         return generations
 
     def sleep(self) -> None:

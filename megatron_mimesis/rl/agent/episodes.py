@@ -10,8 +10,9 @@ when the user model or an endpoint agent fails ("error: ...", not scored and cou
 
 An env that owns its user (``envs.base.UserOwningEnv``, UserRL's gyms) opens the conversation itself and answers
 every tool call with a step of its own; there is no user model. The episode then also ends when the env says so
-("env_done") or when the agent writes a message without acting on the env ("agent_stop"), and a step the env's user
-could not answer ends it as "error: user model: ...". Those envs' calls are made through ``on_leader`` (the
+("env_done"), when the agent writes a message without acting on the env ("agent_stop"), or when that message was cut
+at the token limit instead ("truncated": not the agent's choice), and a step the env's user could not answer ends it
+as "error: user model: ...". Those envs' calls are made through ``on_leader`` (the
 model-parallel group's first rank makes them, the others get its answers: the simulator must answer once per
 episode, not once per rank), one batch per round, ``suite.concurrency`` episodes at a time; the steps of one
 episode run in order and stop at the first that ends it.
@@ -198,7 +199,7 @@ class AgentEpisodeRunner:
                     episode.messages.append({"role": "tool", "content": episode.env.call_tool(call),
                                              "name": call.name, "tool_call_id": call.id})
                 if owns_user(episode.env) and not calls:
-                    ended = "agent_stop"
+                    ended = "truncated" if episode.turns[-1].finish_reason == "length" else "agent_stop"
             if ended is not None:
                 episode.termination = ended
             elif len(episode.turns) >= self.max_agent_turns:

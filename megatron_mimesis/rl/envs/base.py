@@ -80,7 +80,8 @@ class AgentEnv(Protocol):
 class UserOwningEnv(AgentEnv, Protocol):
     """An env that simulates its user itself; ``owns_user`` is true (envs without the attribute do not), and its
     suite says how many episodes may call the user at once (``concurrency``). Its episodes also end "env_done" (the
-    env ended them) or "agent_stop" (the agent wrote a message without acting)."""
+    env ended them), "agent_stop" (the agent wrote a message without acting) or "truncated" (that message was cut at
+    the token limit)."""
 
     owns_user: bool
 

@@ -64,6 +64,16 @@ def test_function_gym_episodes_are_played_through_the_tool_and_scored_by_the_gym
     assert [row.reward for row, _, _ in agent_rows([first], 0.8, suite.name)] == pytest.approx([0.64, 0.8, 1.0])
 
 
+def test_a_message_cut_at_the_token_limit_ends_the_episode_as_truncated_not_as_the_agents_stop():
+    suite = build_suite("userrl", {"gyms": {"FunctionGym": {}}})
+    tokenizer = char_tokenizer()
+    engine = ScriptedEngine(tokenizer, [["Let me work out what the numbers"]], finish_reason="length")
+    runner = AgentEpisodeRunner(engine, PiecewiseAgentChat(tokenizer, thinking=False), None, SamplingParams(), 4)
+    (episode,) = runner.run(suite, ["FunctionGym/func-1"], rollouts_per_task=1, step_seed=0)
+    assert episode.termination == "truncated" and [t.finish_reason for t in episode.turns] == ["length"]
+    assert score_episodes([episode]) == {} and episode.score_info["termination"] == "truncated"
+
+
 def test_the_tiny_model_plays_function_gym(tiny_dataset, tiny_hf_checkpoint):
     from transformers import AutoTokenizer
 
@@ -77,7 +87,9 @@ def test_the_tiny_model_plays_function_gym(tiny_dataset, tiny_hf_checkpoint):
     episodes = runner.run(suite, suite.task_ids("test")[:2], rollouts_per_task=1, step_seed=0)
     assert score_episodes(episodes) == {}
     for episode in episodes:  # a random model writes no call: its first message ends the episode, scored 0
-        assert episode.termination in ("agent_stop", "env_done", "max_turns") and len(episode.turns) >= 1
+        assert episode.termination in ("truncated", "agent_stop", "env_done", "max_turns") and len(episode.turns) >= 1
+        if episode.termination in ("truncated", "agent_stop"):  # cut at max_new_tokens, or its own end
+            assert episode.turns[-1].finish_reason == ("length" if episode.termination == "truncated" else "stop")
         assert episode.turn_rewards == [0.0] * len(episode.turns) and episode.score_info["gym"] == "FunctionGym"
 
 
