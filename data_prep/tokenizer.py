@@ -120,7 +120,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def copy_tokenizer(source: str | Path, dest: str | Path) -> list[str]:
     """Copy the tokenizer at ``source`` (a sentencepiece file, or the tokenizer files of a directory) into the
     directory ``dest``; the names copied. Runs name a model's own directory as their tokenizer, and a copy of all of
-    it would carry the weights too (~16 GB at Qwen3-8B, in every checkpoint)."""
+    it would carry the weights too (~16 GB for 8B parameters in bf16, in every checkpoint)."""
     source, dest = Path(source), Path(dest)
     if source.is_file():
         found, source = [source.name], source.parent

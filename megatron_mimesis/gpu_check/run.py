@@ -47,10 +47,12 @@ def run_stage(name: str, out_dir: Path, cap_s: float) -> dict:
             child.wait()
             rc = None
     results = json.loads(stage_file(out_dir, name).read_text()) if stage_file(out_dir, name).exists() else {}
-    # the stage's own exception when it recorded one: the log's last line is often a warning printed at exit
-    error = results.pop("error", None) or _last_line(log)
-    status = ("ok" if rc == 0 else f"timeout after {cap_s:.0f} s (partial results kept)" if rc is None
-              else f"failed (rc {rc}): {error}")
+    if rc == 0:
+        status = "ok"
+    elif rc is None:
+        status = f"timeout after {cap_s:.0f} s (partial results kept)"
+    else:  # the stage's own exception when it recorded one: the log's last line is often a warning printed at exit
+        status = f"failed (rc {rc}): {results.pop('error', None) or _last_line(log)}"
     return {"status": status, "seconds": round(time.monotonic() - started, 1), "log": log.name, **results}
 
 
