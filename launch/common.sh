@@ -4,8 +4,10 @@
 #   SLURM (SLURM_JOB_ID set)  one torchrun per node via srun, rendezvous at the first host of the job; a rank per
 #                             GPU, or on a node without GPUs (a CPU partition) a gloo rank per task SLURM allocates;
 #   local, GPUs or CPU        one torchrun --standalone (CPU: 2 gloo processes);
-#   embedded demo             local + no GPU + no CONFIG: build the demo data, train, plot the loss and print the
-#                             run's summary line (first-10 / last-10 step means, wall time).
+#   embedded demo             local + no CONFIG (GPUs or not): build the demo data, train on CPU, plot the loss and
+#                             print the run's summary line (first-10 / last-10 step means, wall time).
+# The first line says which config runs and why (CONFIG, or the default of the place: the paper's on SLURM, the demo
+# elsewhere).
 # Arguments are trainer flags (passed through); `--dry-run` anywhere prints the launch command, the
 # environment and the trainer's resolved config, and starts nothing.
 #
@@ -175,6 +177,8 @@ print_dry_run() {
   for name in "${env_names[@]}" MASTER_ADDR MASTER_PORT NNODES GPUS_PER_NODE; do
     if [[ -n "${!name:-}" ]]; then echo "$name=${!name}"; fi
   done
+  # set but empty says something too: no GPU for the ranks (the demo on a machine with GPUs)
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then echo "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"; fi
   echo "== trainer config ($CONFIG, world size $world_size)"
   WORLD_SIZE="$world_size" RANK=0 LOCAL_RANK=0 "$PYTHON" -m "$TRAIN_MODULE" --config "$CONFIG" \
     "${train_args[@]}" --dry-run
@@ -348,11 +352,23 @@ launch() {
     trap 'early_usr1=1' USR1
   fi
   gpus="$(gpu_count)"
+  local chosen="from CONFIG"
   if [[ -z "${CONFIG:-}" ]]; then
-    if ((!in_slurm && gpus == 0)); then CONFIG="$DEMO_CONFIG"; else CONFIG="$PAPER_CONFIG"; fi
+    if ((in_slurm)); then
+      CONFIG="$PAPER_CONFIG" chosen="the paper's run; CONFIG=<config.yaml> runs another"
+    else
+      CONFIG="$DEMO_CONFIG" chosen="the CPU demo; CONFIG=<config.yaml> runs another"
+    fi
   fi
   [[ -n "$CONFIG" ]] || die "set CONFIG=<your $STAGE config.yaml> (this stage ships no paper-scale config yet)"
   [[ -f "$CONFIG" ]] || die "CONFIG=$CONFIG: no such file"
+  echo "== $STAGE: $CONFIG ($chosen)"
+  # the demo configs are CPU configs (gloo, the tiny presets): on a machine with GPUs they run as on one without, so
+  # that `make demo` gives the same run everywhere
+  if [[ "$CONFIG" == "$DEMO_CONFIG" && $in_slurm == 0 ]]; then
+    gpus=0
+    export CUDA_VISIBLE_DEVICES=""
+  fi
   # a stage of a pipeline (MIMESIS_DEMO=0) runs a demo config on the data and checkpoints it is handed and reports
   # itself, so the launcher builds no demo data and prints no demo summary
   if [[ "$CONFIG" == "$DEMO_CONFIG" && $in_slurm == 0 && "${MIMESIS_DEMO:-1}" != 0 ]]; then demo=1; fi

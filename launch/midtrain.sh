@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # User-side mid-training (MIMESIS stage 1). On SLURM: the paper's 4x8 A100 run (launch/slurm/midtrain.sbatch);
-# locally with GPUs: one torchrun over them; with neither and no CONFIG: the embedded CPU demo, which builds
-# the chit-chat dataset, trains the tiny model on 2 gloo processes and plots the loss.
+# elsewhere with CONFIG: one torchrun over the local GPUs (or CPU); with no CONFIG, GPUs or not: the embedded CPU
+# demo, which builds the chit-chat dataset, trains the tiny model on 2 gloo processes and plots the loss.
 #   bash launch/midtrain.sh [--trainer-flag VALUE ...] [--dry-run]
 # Environment: CONFIG, DATA_PATH, PRETRAINED_HF, SAVE, NPROC, NNODES, GPUS_PER_NODE, PYTHON (launch/common.sh).
 set -euo pipefail

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Agent RL with GRPO + CSD against the frozen user simulator (MIMESIS stage II). On SLURM or with GPUs: CONFIG
+# Agent RL with GRPO + CSD against the frozen user simulator (MIMESIS stage II). On SLURM: CONFIG
 # (default launch/configs/rl_agent_qwen3_8b.yaml, the paper's Qwen3-8B agent; rl_agent_9b.yaml trains a Qwen3.5
-# agent) under one torchrun per node; with neither and no CONFIG: the
-# embedded CPU demo, which starts from the mid-training demo's checkpoint and trains the tiny model as the agent
-# on the toy env (scripted user and coach), TP=2.
+# agent) under one torchrun per node; elsewhere with CONFIG: one torchrun over the local GPUs (or CPU); with no
+# CONFIG, GPUs or not: the embedded CPU demo, which starts from the mid-training demo's checkpoint and trains the
+# tiny model as the agent on the toy env (scripted user and coach), TP=2.
 #   bash launch/rl_agent.sh [--flag VALUE ...] [--dry-run]
 # Environment: CONFIG, SAVE, NPROC, NNODES, GPUS_PER_NODE, PYTHON (launch/common.sh).
 set -euo pipefail

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Simulator RL with FoldGRPO (MIMESIS stage 1, last step). On SLURM or with GPUs: CONFIG (default
-# launch/configs/rl_simulator_9b.yaml, vLLM rollouts) under one torchrun per node; with neither and no CONFIG:
-# the embedded CPU demo, which starts from the mid-training demo's checkpoint and trains the tiny simulator on a
-# toy domain (brief replies, a scripted counterpart), TP=2.
+# Simulator RL with FoldGRPO (MIMESIS stage 1, last step). On SLURM: CONFIG (default
+# launch/configs/rl_simulator_9b.yaml, vLLM rollouts) under one torchrun per node; elsewhere with CONFIG: one
+# torchrun over the local GPUs (or CPU); with no CONFIG, GPUs or not: the embedded CPU demo, which starts from the
+# mid-training demo's checkpoint and trains the tiny simulator on a toy domain (brief replies, a scripted
+# counterpart), TP=2.
 #   bash launch/rl_simulator.sh [--flag VALUE ...] [--dry-run]
 # Environment: CONFIG, SAVE, NPROC, NNODES, GPUS_PER_NODE, PYTHON (launch/common.sh).
 set -euo pipefail

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Thought-supervised SFT (MIMESIS stage 2), from the mid-training checkpoint. On SLURM: the paper's 1x8 A100
-# run (launch/slurm/sft.sbatch); locally with GPUs: one torchrun over them; with neither and no CONFIG: the
-# embedded CPU demo, which builds the SFT sample and fine-tunes the demo mid-training checkpoint with TP=2.
+# run (launch/slurm/sft.sbatch); elsewhere with CONFIG: one torchrun over the local GPUs (or CPU); with no CONFIG,
+# GPUs or not: the embedded CPU demo, which builds the SFT sample and fine-tunes the demo mid-training checkpoint
+# with TP=2.
 #   bash launch/sft.sh [--trainer-flag VALUE ...] [--dry-run]
 # Environment: CONFIG, DATA_PATH, PRETRAINED_HF, SAVE, NPROC, NNODES, GPUS_PER_NODE, PYTHON (launch/common.sh).
 set -euo pipefail

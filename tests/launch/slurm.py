@@ -69,3 +69,10 @@ def run(script, args, env, timeout: float = 120, **kwargs):
 
 def trainer_json(stdout: str) -> dict:
     return json.loads(stdout[stdout.index("{\n"):])
+
+
+def after_config_line(result, stage: str, config: str, chosen: str = "from CONFIG") -> str:
+    """The launcher's stdout past its first line, which must say which config it runs and why."""
+    first, _, rest = result.stdout.partition("\n")
+    assert first == f"== {stage}: {config} ({chosen})", result.stdout + result.stderr
+    return rest

@@ -41,7 +41,7 @@ def test_a_config_error_is_one_line_and_no_rank_starts(local):
     result = launch(["--lr=-1", "--micro-batch-size", "1"], {**env, "NPROC": "1"})
     assert result.returncode == 2
     assert result.stderr == "error: lr must be greater than 0, got -1\n"  # no torchrun report, no per-rank copy
-    assert result.stdout == "" and not (tmp_path / "log").exists()
+    assert result.stdout == f"== midtrain: {env['CONFIG']} (from CONFIG)\n" and not (tmp_path / "log").exists()
 
 
 def test_gpus_per_node_sets_the_local_process_count(local):

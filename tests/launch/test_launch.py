@@ -5,11 +5,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from megatron_mimesis.pipeline.processes import free_port
 from tests.checkpoints import small_checkpoint
 from tests.launch.slurm import (
     JOB_ID,
     REPO,
+    after_config_line,
     midtrain_job,
     released_hf_config,
     run,
@@ -18,6 +21,10 @@ from tests.launch.slurm import (
     write_exe,
 )
 from tests.rl.fakes import FakeOpenAIServer
+
+MIDTRAIN_9B = "launch/configs/midtrain_9b.yaml"
+PAPER_RUN = "the paper's run; CONFIG=<config.yaml> runs another"
+CPU_DEMO = "the CPU demo; CONFIG=<config.yaml> runs another"
 
 # Stands in for the per-node torchrun: prints its arguments; anything else goes to the real interpreter.
 FAKE_PYTHON = f"""#!/bin/bash
@@ -60,7 +67,7 @@ def test_slurm_launch_refuses_a_save_directory_without_room_before_srun(fake):
     tmp_path, env = fake
     job = {k: v for k, v in midtrain_job(env, tmp_path).items() if k != "MIMESIS_SAVE_DIR_CHECKED"}
     result = run("midtrain.sh", ["--save", str(tmp_path / "ckpt")], {**job, "SLURM_NNODES": "4"})
-    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.returncode == 2 and after_config_line(result, "midtrain", MIDTRAIN_9B, PAPER_RUN) == ""
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"error: save: no space left for the checkpoints of this run in {tmp_path}: ")
     assert line.endswith(" needed (7 checkpoints of about 116.8 GiB on disk at once)"), line
@@ -73,7 +80,7 @@ def test_slurm_launch_refuses_a_layout_that_does_not_fit_before_srun(fake):
     tmp_path, env = fake
     result = run("midtrain.sh", ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"],
                  {**midtrain_job(env, tmp_path), "SLURM_NNODES": "1"})
-    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.returncode == 2 and after_config_line(result, "midtrain", MIDTRAIN_9B, PAPER_RUN) == ""
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: memory plan: per GPU needs ") and " GiB per GPU; the A100-80GB has 79.1, 75.1 " in line
     assert line.endswith("cheapest change that fits: --tensor-model-parallel-size 4 --sequence-parallel"), line
@@ -90,7 +97,7 @@ def test_slurm_launch_refuses_a_config_whose_stop_save_outlasts_the_jobs_shutdow
     job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2", "SHUTDOWN_TIMEOUT": "780"}
     result = run("rl_agent.sh", ["--pretrained-hf", str(hf), "--tokenizer", str(hf)],
                  {**job, "CONFIG": "launch/configs/rl_agent_9b.yaml"})
-    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.returncode == 2 and after_config_line(result, "rl_agent", "launch/configs/rl_agent_9b.yaml") == ""
     (line,) = result.stderr.splitlines()
     assert line == ("error: SHUTDOWN_TIMEOUT 780 s is less than the 840 s this run needs to stop and save on SLURM's "
                     "pre-timeout signal (its longest phase and two checkpoint writes: training/lead_times.py): submit "
@@ -105,16 +112,22 @@ def test_slurm_launch_refuses_a_config_whose_stop_save_outlasts_the_jobs_shutdow
     assert not (tmp_path / "log" / "srun").exists()
 
 
-def test_local_dry_run_without_gpu_is_the_demo(fake):
+@pytest.mark.parametrize("gpus", [0, 8])
+def test_local_dry_run_without_config_is_the_cpu_demo_with_gpus_or_without(fake, gpus):
+    """Outside SLURM and without CONFIG the launcher runs the CPU demo, on a machine with GPUs too (it ran the 9B paper
+    config there and failed on its missing dataset), and says so in its first line."""
     tmp_path, env = fake
+    listing = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
+    write_exe(tmp_path / "bin" / "nvidia-smi", f"#!/bin/sh\n{listing}exit {0 if gpus else 9}\n")
     # SAVE away from the repository's runs/: a demo run there would make this a resume (of another train_iters)
     result = run("midtrain.sh", ["--dry-run", "--train-iters", "20"],
                  {**env, "DATA_PATH": str(tmp_path / "demo"), "SAVE": str(tmp_path / "save")})
     assert result.returncode == 0, result.stderr
-    command = result.stdout.splitlines()[1]
+    command = after_config_line(result, "midtrain", "launch/configs/demo_midtrain.yaml", CPU_DEMO).splitlines()[1]
     assert command.startswith(f"{sys.executable} -m megatron_mimesis.torchrun --standalone --nnodes 1 --nproc-per-node 2")
     assert "--config launch/configs/demo_midtrain.yaml --train-iters 20" in command
-    assert "OMP_NUM_THREADS=1" in result.stdout
+    environment = result.stdout.split("== environment\n")[1].split("== trainer config")[0]
+    assert environment.splitlines() == ["OMP_NUM_THREADS=1", "NNODES=1", "CUDA_VISIBLE_DEVICES="]
     resolved = trainer_json(result.stdout)
     assert resolved["world_size"] == 2 and resolved["config"]["train_iters"] == 20
 
@@ -131,7 +144,7 @@ def test_slurm_launch_runs_one_torchrun_per_node(fake):
     srun_args = (tmp_path / "log" / "srun").read_text().splitlines()
     assert srun_args[:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=64",
                              "--kill-on-bad-exit=1"]
-    torchrun = result.stdout.strip()
+    torchrun = after_config_line(result, "midtrain", MIDTRAIN_9B, PAPER_RUN).strip()
     assert torchrun.startswith("TORCHRUN -m megatron_mimesis.torchrun --nnodes 1 --nproc-per-node 8 --rdzv-backend c10d "
                                f"--rdzv-endpoint node001:{port} --rdzv-id {JOB_ID} --rdzv-conf is_host=false ")
     assert torchrun.endswith(f"--config launch/configs/midtrain_9b.yaml --lr 2e-5 --data-path {tmp_path / 'data9b'} "
@@ -142,10 +155,11 @@ def test_slurm_launch_refuses_a_bad_config_before_srun(fake):
     tmp_path, env = fake
     result = run("midtrain.sh", ["--lr=-1"], slurm_env(env, tmp_path))
     assert result.returncode == 2
-    assert result.stderr == "error: lr must be greater than 0, got -1\n" and result.stdout == ""
+    assert result.stderr == "error: lr must be greater than 0, got -1\n"
+    assert after_config_line(result, "midtrain", MIDTRAIN_9B, PAPER_RUN) == ""
     # the paper's mid-training without PRETRAINED_HF would train Qwen3.5-9B from random weights on 32 GPUs
     result = run("midtrain.sh", [], slurm_env(env, tmp_path))
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 2 and after_config_line(result, "midtrain", MIDTRAIN_9B, PAPER_RUN) == ""
     assert result.stderr == ("error: pretrained_hf: the 9b model would train from random weights; give pretrained_hf "
                              "(or load), or set from_scratch: true if that is the intent\n")
     assert not (tmp_path / "log" / "srun").exists() and not (tmp_path / "log" / "scontrol").exists()
@@ -333,7 +347,8 @@ def test_slurm_launch_asks_every_endpoint_before_srun_and_refuses_a_placeholder(
         refusals = []
         for user in ({}, {"base_url": simulator.base_url, "model": "mimesis-sim"}):
             result = run("rl_agent.sh", [*args, "--user-model-options", json.dumps(user)] if user else args, job)
-            assert result.returncode == 2 and result.stdout == "", result.stderr
+            assert result.returncode == 2, result.stderr
+            assert after_config_line(result, "rl_agent", "launch/configs/rl_agent_qwen3_8b.yaml", PAPER_RUN) == ""
             refusals += result.stderr.splitlines()
     assert len(refusals) == 2, refusals
     assert re.fullmatch(r"error: user_model_options: http://SIMULATOR_HOST:8000/v1/models did not answer \(.+\); "
