@@ -1,7 +1,7 @@
 """Evaluate agents against a panel of user models on held-out tasks: the paper's Table 2.
 
     python tools/eval_agent.py --env toy|tau2 [--env-options JSON] --agent NAME=SPEC [--agent ...]
-        --user NAME=SPEC [--user ...] --output DIR [--split test] [--tasks N] [--trials K] [--overwrite] ...
+        --user NAME=SPEC [--user ...] --output DIR [--split test] [--tasks N] [--trials K] [--resume | --overwrite] ...
 
 SPEC is ``hf:PATH`` (an HF checkpoint sampled in this process), ``openai:BASE_URL@MODEL`` (a server: for an
 agent a ``/v1/completions`` endpoint that takes token ids, e.g. ``vllm serve``; for a user a chat endpoint), or,
@@ -20,10 +20,15 @@ which every gym of the pair calls through a per-episode proxy; the pairs are sco
 gyms: an episode by the sum of its turns' rewards (TravelGym's by its best turn), a task by the best of its
 ``--trials``, a pair by the mean over its tasks (the task-weighted average over gyms), and each gym on its own.
 
-Writes results.json, table.csv, table.md, scores.png and episodes.jsonl (every episode's public transcript and
-rewards) to DIR, and for a suite of several domains (gyms) domains.md and domains.csv: one row per agent x user,
-one column per domain and their task-weighted average. Exit status 0 on success, 2 with a one-line reason on bad
-input.
+A pair plays its tasks in chunks of ``--chunk-tasks`` (chunk k seeded with ``--seed`` + k), each chunk's scored
+episodes appended to DIR/cache.jsonl as it ends: a killed evaluation continues with ``--resume`` from the chunks it
+finished, and ends with the table an uninterrupted run gives (a chunk is keyed by everything that decides its
+episodes, so a changed setting replays it).
+
+Writes results.json, table.csv, table.md, scores.png, episodes.jsonl (every episode's public transcript and
+rewards) and cache.jsonl (the chunks, for --resume) to DIR, and for a suite of several domains (gyms) domains.md and
+domains.csv: one row per agent x user, one column per domain and their task-weighted average. Exit status 0 on
+success, 2 with a one-line reason on bad input.
 """
 
 import argparse
@@ -31,7 +36,7 @@ import csv
 import json
 import math
 import sys
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -45,14 +50,14 @@ from megatron_mimesis.eval.agents import (
     Spec,
     build_agent,
     build_user,
-    episode_records,
     parse_env_options,
     parse_specs,
+    play_pair,
     prepare_output,
-    run_pair,
     score_pair,
     tokenizer_dir,
 )
+from megatron_mimesis.eval.cache import CACHE, ResultCache, cache_key
 from megatron_mimesis.rl.envs import ENVS, build_suite
 from megatron_mimesis.rl.envs.base import owns_user
 
@@ -192,8 +197,12 @@ def parse_args(argv):
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per endpoint")
     parser.add_argument("--request-timeout", type=float, default=600, help="seconds per endpoint request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk-tasks", type=int, default=64, metavar="N",
+                        help="tasks a pair plays at once (all their trials), each chunk kept as it ends (default 64)")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory for results, tables, plot, episodes")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help="continue a killed run in --output from its cache")
+    group.add_argument("--overwrite", action="store_true", help="write into a non-empty --output, from scratch")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -202,7 +211,7 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
     """Everything that can be wrong with the input, checked before any model is loaded."""
     if not args.agent or not args.user:
         raise EvalError("give at least one --agent and one --user")
-    for flag in ("trials", "max_agent_turns", "max_new_tokens", "user_max_new_tokens", "concurrency"):
+    for flag in ("trials", "max_agent_turns", "max_new_tokens", "user_max_new_tokens", "concurrency", "chunk_tasks"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise EvalError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.tasks is not None and args.tasks < 1:
@@ -246,34 +255,51 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
     else:
         args.user_max_new_tokens = args.user_max_new_tokens or USER_MAX_NEW_TOKENS
         args.user_temperature = USER_TEMPERATURE if args.user_temperature is None else args.user_temperature
-    prepare_output(args.output, args.overwrite)
+    prepare_output(args.output, args.resume, args.overwrite, CACHE)
     return agents, users, suite, task_ids
 
 
+
 def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[str]) -> list[dict]:
+    """Every agent x user pair, chunk by chunk; a chunk found in the cache is not played again, and an agent whose
+    chunks are all there is never loaded."""
     user_models = {spec.name: build_user(spec, args.user_max_new_tokens, args.user_temperature, args.request_timeout,
                                          args.concurrency, args.seed, suite) for spec in users}
     settings = EpisodeSettings(args.max_agent_turns, args.max_new_tokens, args.temperature, args.agent_thinking,
                                args.trials, args.seed)
-    episodes_per_pair = len(task_ids) * args.trials
+    chunks = [task_ids[i:i + args.chunk_tasks] for i in range(0, len(task_ids), args.chunk_tasks)]
+    played = {"env": args.env, "env_options": json.loads(args.env_options), "split": args.split,
+              "settings": asdict(settings)}
+    cache = ResultCache(args.output / CACHE)
+    if cache.reused and not args.no_progress:
+        print(f"resuming: {cache.reused} chunks of episodes in {args.output / CACHE}", file=sys.stderr)
     pairs = []
     with (open(args.output / "episodes.jsonl", "w") as log,
-          tqdm(total=len(agents) * len(users) * episodes_per_pair, unit="episode", desc="eval",
+          tqdm(total=len(agents) * len(users) * len(task_ids) * args.trials, unit="episode", desc="eval",
                disable=args.no_progress, dynamic_ncols=True) as bar):
         for agent in agents:
-            player = build_agent(agent, args.seed, args.request_timeout, args.concurrency)
+            player = None
             for user in users:
                 bar.set_postfix_str(f"{agent.name} x {user.name}")
-                episodes = run_pair(player, user_models[user.name], suite, task_ids, settings)
-                pair = score_pair(agent.name, user.name, episodes, task_ids, suite)
+                records = []
+                for k, chunk in enumerate(chunks):
+                    key = cache_key("eval_agent", asdict(agent), asdict(user), played, chunk, k)
+                    if key not in cache:
+                        player = player or build_agent(agent, args.seed, args.request_timeout, args.concurrency)
+                        played_chunk = play_pair(player, user_models[user.name], suite, chunk,
+                                                 replace(settings, seed=args.seed + k), (agent.name, user.name))
+                        cache.put(key, json.loads(json.dumps(played_chunk, default=_json_default)))
+                    records += cache.get(key)
+                    bar.update(len(cache.get(key)))
+                pair = score_pair(agent.name, user.name, records, task_ids, suite)
                 pairs.append(pair)
-                for record in episode_records(agent.name, user.name, episodes, suite):
+                for record in records:
                     log.write(json.dumps(record, default=_json_default) + "\n")
                 log.flush()
-                bar.update(len(episodes))
                 tqdm.write(f"{agent.name} x {user.name}: score {_cell(pair['score'], 3)} "
                            f"({pair['n_scored']}/{pair['n_episodes']} episodes scored)", file=sys.stderr)
             del player  # free its model before the next agent's is loaded
+    cache.close()
     return pairs
 
 
@@ -285,7 +311,7 @@ def write_outputs(args, agents: list[Spec], users: list[Spec], suite, task_ids: 
               "max_agent_turns": args.max_agent_turns, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "agent_thinking": args.agent_thinking,
               "user_max_new_tokens": args.user_max_new_tokens, "user_temperature": args.user_temperature,
-              "seed": args.seed, "agents": dict(text.split("=", 1) for text in args.agent),
+              "seed": args.seed, "chunk_tasks": args.chunk_tasks, "agents": dict(text.split("=", 1) for text in args.agent),
               "users": dict(text.split("=", 1) for text in args.user)}
     results = {"config": config, "pairs": pairs, "table": rows}
     (args.output / "results.json").write_text(json.dumps(results, indent=2) + "\n")

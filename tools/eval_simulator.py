@@ -40,8 +40,9 @@ from megatron_mimesis.eval.agents import (
     build_agent,
     parse_env_options,
     parse_spec,
+    prepare_output,
 )
-from megatron_mimesis.eval.cache import ResultCache
+from megatron_mimesis.eval.cache import CACHE, ResultCache
 from megatron_mimesis.eval.calibration import OutcomeError, read_outcomes
 from megatron_mimesis.eval.evaluation import (
     HUMAN,
@@ -61,7 +62,6 @@ from megatron_mimesis.eval.judge import DEFAULT_TAXONOMY, Judge, TaxonomyError, 
 from megatron_mimesis.eval.simulators import Settings, SpecError, build, parse_specs
 from megatron_mimesis.rl.envs import ENVS, build_suite
 
-CACHE = "cache.jsonl"
 INTERNAL_FIELDS = ("unigrams", "bigrams", "usi", "human_usi")  # per-turn inputs of the metrics, not for items.jsonl
 REPLY_BATCH = 16  # positions per request batch: the cache is written after each
 
@@ -173,7 +173,7 @@ def validate(args):
                                   complete=None if args.complete is None else args.complete == "yes")
     if judge:
         check_reachable(judge[0], "--judge", args.request_timeout)
-    prepare(args.output, args.resume, args.overwrite)
+    prepare_output(args.output, args.resume, args.overwrite, CACHE)
     return specs, held_out, judge, taxonomy, calibration
 
 
@@ -199,18 +199,6 @@ def validate_calibration(args):
         raise EvalError(f"--outcomes {args.outcomes}: tasks not in split {args.env_split!r} of {suite.name}: "
                         f"{', '.join(unknown[:5])}")
     return real, agent, suite
-
-
-def prepare(path: Path, resume: bool, overwrite: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise EvalError(f"--output {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not (resume or overwrite):
-        raise EvalError(f"--output {path} is not empty; pass --resume to continue it or --overwrite")
-    if resume and not (path / CACHE).is_file():
-        raise EvalError(f"--resume: {path / CACHE} does not exist (nothing to resume)")
-    path.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        (path / CACHE).unlink(missing_ok=True)
 
 
 def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from megatron_mimesis.models.presets import FAMILIES, FIRST_FAMILY, preset_from_hf_dir
 from megatron_mimesis.rl.agent.agent_chat import agent_chat
-from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, score_episodes
+from megatron_mimesis.rl.agent.episodes import AgentEpisodeRunner, count_failures, score_episodes
 from megatron_mimesis.rl.agent.user_models import EngineUserModel, OpenAIUserModel
 from megatron_mimesis.rl.chat import ChatRenderer
 from megatron_mimesis.rl.engines.hf import HFEngine
@@ -175,19 +175,27 @@ def run_pair(agent: Agent, user_model, suite, task_ids: list[str], settings: Epi
     return runner.run(suite, task_ids, rollouts_per_task=settings.trials, step_seed=settings.seed)
 
 
-def score_pair(agent: str, user: str, episodes: list, task_ids: list[str], suite) -> dict:
-    """Score the episodes that ran to the end; the rest are counted by reason and kept out of the scores."""
-    failures = score_episodes(episodes)
+def play_pair(agent: Agent, user_model, suite, task_ids: list[str], settings: EpisodeSettings, names: tuple[str, str]):
+    """The pair's episodes on ``task_ids``, scored, as ``episode_records`` (``names``: the agent's and the user's)."""
+    episodes = run_pair(agent, user_model, suite, task_ids, settings)
+    score_episodes(episodes)
+    return episode_records(*names, episodes, suite)
+
+
+def score_pair(agent: str, user: str, records: list[dict], task_ids: list[str], suite) -> dict:
+    """Score the pair from its episode records: those that ran to the end; the rest are counted by reason and kept
+    out of the scores. Records, not episodes, so that a resumed evaluation scores what an earlier process played."""
     rewards = {task_id: [] for task_id in task_ids}
-    for episode in episodes:  # an episode left out of scoring has no turn rewards, hence reward None
-        rewards[episode.task.task_id].append(episode_reward(episode, suite))
+    for record in records:  # an episode left out of scoring has reward None
+        rewards[record["task_id"]].append(record["reward"])
     scored = [r for task in rewards.values() for r in task if r is not None]
     domains = {}
     for task_id in task_ids:
         domains.setdefault(suite.domain_of(task_id), []).append(task_id)
     return {"agent": agent, "user": user, "score": pair_score(rewards, task_ids, suite.trial_score),
             "domain_scores": {d: pair_score(rewards, ids, suite.trial_score) for d, ids in sorted(domains.items())},
-            "n_episodes": len(episodes), "n_scored": len(scored), "failures": failures, "task_rewards": rewards}
+            "n_episodes": len(records), "n_scored": len(scored),
+            "failures": count_failures(r["failure"] for r in records), "task_rewards": rewards}
 
 
 def pair_score(rewards: dict[str, list], task_ids: list[str], trial_score: str) -> float | None:
@@ -217,7 +225,7 @@ def episode_records(agent: str, user: str, episodes: list, suite) -> list[dict]:
                   else "scored")
         records.append({
             "agent": agent, "user": user, "task_id": task_id, "trial": trials[task_id] - 1, "status": status,
-            "termination": episode.termination, "reward": episode_reward(episode, suite),
+            "termination": episode.termination, "reward": episode_reward(episode, suite), "failure": episode.failure,
             "turn_rewards": episode.turn_rewards, "agent_finish_reasons": [t.finish_reason for t in episode.turns],
             "unparsed_tool_calls": episode.unparsed_tool_calls,
             "score_info": episode.score_info, "messages": episode.messages,
@@ -225,9 +233,15 @@ def episode_records(agent: str, user: str, episodes: list, suite) -> list[dict]:
     return records
 
 
-def prepare_output(path: Path, overwrite: bool) -> None:
+def prepare_output(path: Path, resume: bool, overwrite: bool, cache: str) -> None:
+    """An evaluation's output directory: empty, or continued from its ``cache`` file (``--resume``), or started over
+    (``--overwrite``, the cache dropped)."""
     if path.exists() and not path.is_dir():
         raise EvalError(f"--output {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise EvalError(f"--output {path} is not empty; pass --overwrite to write into it")
+    if path.is_dir() and any(path.iterdir()) and not (resume or overwrite):
+        raise EvalError(f"--output {path} is not empty; pass --resume to continue it or --overwrite")
+    if resume and not (path / cache).is_file():
+        raise EvalError(f"--resume: {path / cache} does not exist (nothing to resume)")
     path.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        (path / cache).unlink(missing_ok=True)

@@ -12,6 +12,8 @@ import json
 import threading
 from pathlib import Path
 
+CACHE = "cache.jsonl"  # its name in an evaluation's --output
+
 
 def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, ensure_ascii=False).encode()).hexdigest()

@@ -175,12 +175,12 @@ def calibrate_difficulty(rows: list[RowResult], real: dict) -> None:
 def calibrate(row: RowResult, simulator, agent, suite, real: dict, settings, success_reward: float,
               progress: bool) -> list[dict]:
     """The agent's episodes against this simulator on the real users' tasks; returns the episode records."""
-    from megatron_mimesis.eval.agents import episode_records, run_pair, score_pair
+    from megatron_mimesis.eval.agents import play_pair, score_pair
 
     task_ids = sorted(real)
     if progress:
         tqdm.write(f"{row.name}: {len(task_ids) * settings.trials} agent episodes")
-    episodes = run_pair(agent, simulator.user_model(), suite, task_ids, settings)
-    pair = score_pair("agent", row.name, episodes, task_ids, suite)
+    records = play_pair(agent, simulator.user_model(), suite, task_ids, settings, ("agent", row.name))
+    pair = score_pair("agent", row.name, records, task_ids, suite)
     row.calibration = {**calibration_row(pair, real, success_reward), "failures": pair["failures"]}
-    return episode_records("agent", row.name, episodes, suite)
+    return records

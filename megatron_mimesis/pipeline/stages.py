@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_mimesis.eval.cache import CACHE
 from megatron_mimesis.pipeline.definition import INPUT, PipelineError, Stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,9 +201,8 @@ def command(stage: Stage, run_dir: Path, inputs: dict[str, Output], python: str)
         for name in stage.fields["simulators"]:
             source = inputs[f"simulators.{name}"]
             specs += ["--simulator", f"{name}={'ckpt' if source.kind == 'checkpoint' else 'hf'}:{source.path}"]
-        resume = ["--resume"] if (out / "report" / "cache.jsonl").exists() else ["--overwrite"]
-        return [python, str(REPO / "tools" / "eval_simulator.py"), *specs, "--output", str(out / "report"), *resume,
-                "--no-progress", *stage.args], {}
+        return [python, str(REPO / "tools" / "eval_simulator.py"), *specs, "--output", str(out / "report"),
+                *_resume(out / "report"), "--no-progress", *stage.args], {}
     if kind == "eval_agent":
         specs = []
         for name in stage.fields["agents"]:
@@ -214,8 +214,13 @@ def command(stage: Stage, run_dir: Path, inputs: dict[str, Output], python: str)
         if "tokenizer" in inputs:
             specs += ["--tokenizer", str(inputs["tokenizer"].tokenizer)]
         return [python, str(REPO / "tools" / "eval_agent.py"), *specs, "--output", str(out / "report"),
-                "--overwrite", "--no-progress", *stage.args], {}
+                *_resume(out / "report"), "--no-progress", *stage.args], {}
     raise PipelineError(f"{stage.where}: a {kind} stage has no command")  # serve: processes.Server
+
+
+def _resume(report: Path) -> list[str]:
+    """An evaluation stage run again continues from what its killed run finished (its cache)."""
+    return ["--resume"] if (report / CACHE).exists() else ["--overwrite"]
 
 
 def training_flags(stage: Stage, run_dir: Path, inputs: dict[str, Output]) -> list[str]:

@@ -2,6 +2,10 @@ import csv
 import importlib.util
 import json
 import re
+import subprocess
+import sys
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,7 +48,8 @@ def test_two_agents_by_two_users(tiny_hf_checkpoint, tokenizer_dir, tmp_path, ca
                                 "--agent", f"oracle=openai:{server.base_url}@oracle", "--user", "alice=scripted:toy",
                                 "--user", "bob=scripted:toy", "--tokenizer", str(tokenizer_dir), "--output", str(out)])
     assert code == 0
-    assert {p.name for p in out.iterdir()} == {"results.json", "table.csv", "table.md", "scores.png", "episodes.jsonl"}
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.csv", "table.md", "scores.png", "episodes.jsonl",
+                                            "cache.jsonl"}
     assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     results = json.loads((out / "results.json").read_text())
@@ -97,7 +102,8 @@ def test_refuses_a_non_empty_output_without_overwrite(tokenizer_dir, tmp_path, c
     args = [*SMALL, "--agent", "a=openai:http://127.0.0.1:9/v1@m", "--user", "u=scripted:toy",
             "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path)]
     assert eval_agent.main(args) == 2
-    assert capsys.readouterr().err.strip() == f"error: --output {tmp_path} is not empty; pass --overwrite to write into it"
+    assert capsys.readouterr().err.strip() == (f"error: --output {tmp_path} is not empty; pass --resume to continue it "
+                                               f"or --overwrite")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -125,6 +131,55 @@ def test_openai_agent_without_a_tokenizer_is_refused(tmp_path, capsys):
     code = eval_agent.main([*SMALL, "--agent", "a=openai:http://h/v1@remote-name", "--user", "u=scripted:toy",
                             "--output", str(tmp_path / "o")])
     assert code == 2 and "an openai agent needs --tokenizer" in capsys.readouterr().err
+
+
+def test_a_killed_evaluation_resumed_gives_the_table_of_an_uninterrupted_one(tiny_hf_checkpoint, tokenizer_dir,
+                                                                              tmp_path):
+    """A 1-day agent evaluation (the paper's: 8 gyms x 4 trials x 2 agents) killed in its third chunk continues with
+    --resume from the chunks it finished, plays only the rest, and writes what an uninterrupted run writes; the
+    sampled agent (temperature 1) shows that each chunk keeps its seeds."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    flags = [*SMALL[:2], "--tasks", "4", "--trials", "2", "--max-agent-turns", "2", "--max-new-tokens", "8",
+             "--temperature", "1.0", "--chunk-tasks", "1", "--no-progress", "--agent", f"tiny=hf:{tiny_hf_checkpoint}",
+             "--user", "alice=scripted:toy", "--tokenizer", str(tokenizer_dir)]
+    with oracle_server(tokenizer) as server:
+        oracle = ["--agent", f"oracle=openai:{server.base_url}@oracle"]
+        assert eval_agent.main([*flags, *oracle, "--output", str(tmp_path / "whole")]) == 0
+        answered = len(server.requests)
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert whole["pairs"][0]["n_episodes"] == whole["pairs"][1]["n_episodes"] == 8 and answered == 8
+
+    release = threading.Event()
+    blocking = oracle_server(tokenizer)
+    with blocking as server:
+        oracle = ["--agent", f"oracle=openai:{server.base_url}@oracle"]
+        answer = server.complete
+        server.complete = lambda prompt: answer(prompt) if len(server.requests) <= 4 or release.wait() else ""
+        out = tmp_path / "killed"
+        process = subprocess.Popen([sys.executable, str(SCRIPT), *flags, *oracle, "--output", str(out)],
+                                   cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            cache = out / "cache.jsonl"
+            deadline = time.monotonic() + 240
+            while not (cache.exists() and len(cache.read_text().splitlines()) == 6):  # tiny's 4 chunks, oracle's 2
+                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+                time.sleep(0.2)
+            process.kill()  # a hard kill: a preempted job gets no say
+            process.wait()
+        finally:
+            release.set()
+            if process.poll() is None:
+                process.kill()
+        assert not (out / "results.json").exists()
+        server.complete, played = answer, len(server.requests)
+        assert eval_agent.main([*flags, *oracle, "--output", str(out), "--resume"]) == 0
+        replayed = len(server.requests) - played
+    assert replayed == 4  # the oracle's two unfinished chunks, nothing of the finished ones
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["pairs"] == whole["pairs"] and resumed["table"] == whole["table"]
+    assert (out / "table.md").read_text() == (tmp_path / "whole" / "table.md").read_text()
+    assert (out / "episodes.jsonl").read_text() == (tmp_path / "whole" / "episodes.jsonl").read_text()
+    assert {p["agent"]: p["score"] for p in resumed["pairs"]}["tiny"] < 2.0  # the sampled agent: not the oracle's
 
 
 def test_ranks_share_ties_and_skip_missing_scores():

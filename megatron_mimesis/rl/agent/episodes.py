@@ -65,6 +65,7 @@ class AgentEpisode:
     termination: str = ""
     turn_rewards: list[float] | None = None  # one per agent turn once scored; None when unscored
     score_info: dict = field(default_factory=dict)
+    failure: str | None = None  # once scored: why it is left out of the scores (None: scored)
 
     def user_reaction(self, turn: AgentTurn) -> tuple[str | None, str | None]:
         """The user's next (thinking, utterance) after ``turn`` (None, None when the episode ended first); for an env
@@ -252,13 +253,11 @@ def _steps(env, calls: list) -> list[EnvStep]:
 def score_episodes(episodes: list[AgentEpisode]) -> dict[str, int]:
     """Score every ended episode with its env; the rewards of the agent's own turns are kept (an opening
     greeting is the env's, not a policy action). Returns failure counts by reason."""
-    failures: dict[str, int] = {}
     for episode in episodes:
         if owns_user(episode.env):
             episode.env.close()
         if episode.termination.startswith("error"):  # "error: agent: ..." or "error: user model: ..."
-            reason = episode.termination.split(":")[1].strip().replace(" ", "_") + "_error"
-            failures[reason] = failures.get(reason, 0) + 1
+            episode.failure = episode.termination.split(":")[1].strip().replace(" ", "_") + "_error"
             continue
         score = episode.env.score(episode.messages, episode.termination)
         episode.score_info = dict(score.info)
@@ -267,12 +266,20 @@ def score_episodes(episodes: list[AgentEpisode]) -> dict[str, int]:
             score.error = f"{len(score.turn_rewards)} rewards for {len(assistant)} assistant messages"
         if score.error is not None:
             episode.score_info["error"] = score.error
-            reason = f"score: {score.error.split(':')[0]}"
-            failures[reason] = failures.get(reason, 0) + 1
+            episode.failure = f"score: {score.error.split(':')[0]}"
             continue
         by_message = dict(zip(assistant, score.turn_rewards, strict=True))
         episode.turn_rewards = [float(by_message[t.message_index]) for t in episode.turns]
-    return failures
+    return count_failures(episode.failure for episode in episodes)
+
+
+def count_failures(failures) -> dict[str, int]:
+    """Counts by reason of the episodes (or episode records) left out of the scores."""
+    counts: dict[str, int] = {}
+    for reason in failures:
+        if reason is not None:
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts
 
 
 def agent_rows(episodes: list[AgentEpisode], gamma: float, domain: str) -> list[tuple[TrainingRow, AgentEpisode, int]]:
