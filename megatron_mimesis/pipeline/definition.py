@@ -20,7 +20,9 @@ PROVIDES = {
     "export": "hf", "serve": "endpoint", "eval_simulator": "report", "eval_agent": "report",
 }
 TRAINING = ("midtrain", "sft", "rl_simulator", "rl_agent")
-INPUT = "input"  # a stage the user provides: {kind: input, provides: checkpoint|hf|data|endpoint, path: ...}
+INPUT = "input"  # a stage the user provides: {kind: input, provides: one of INPUTS, path: ...}
+# conversations: a file of human conversations (what eval_simulator --input reads, e.g. a held-out split)
+INPUTS = ("checkpoint", "hf", "data", "endpoint", "conversations")
 
 # per kind: its fields, and for each hand-off field the outputs it accepts. A mapping field ({name: stage}) holds
 # several hand-offs (eval's simulators, agents and users); "literal" lets a user field name a user model directly
@@ -33,12 +35,13 @@ FIELDS = {
     "midtrain": {"config", "data", "load"}, "sft": {"config", "data", "load"},
     "rl_simulator": {"config", "load"}, "rl_agent": {"config", "load", "user", "user_options"},
     "export": {"load"}, "serve": {"model", "name", "python", "start_timeout_s"},
-    "eval_simulator": {"simulators"}, "eval_agent": {"agents", "users", "tokenizer"},
+    "eval_simulator": {"simulators", "heldout"}, "eval_agent": {"agents", "users", "tokenizer"},
     INPUT: {"provides", "path"},
 }
 HANDOFFS = {
     "tokenizer": ("data", "checkpoint", "hf"), "data": ("data",), "load": ("checkpoint", "hf"), "user": ("endpoint",),
-    "model": ("hf",), "simulators": ("checkpoint", "hf"), "agents": ("hf",), "users": ("endpoint", "literal"),
+    "model": ("hf",), "simulators": ("checkpoint", "hf"), "agents": ("hf", "endpoint"), "users": ("endpoint", "literal"),
+    "heldout": ("conversations",),
 }
 # a training stage starts from a checkpoint or from HF weights; an export is of a dist checkpoint
 KIND_HANDOFFS = {("export", "load"): ("checkpoint",)}
@@ -102,9 +105,8 @@ def _check_stage(stage: Stage, earlier: dict[str, Stage]) -> None:
     missing = sorted(REQUIRED.get(kind, set()) - set(stage.fields))
     if missing and not stage.given:
         raise PipelineError(f"{stage.where}: a {kind} stage needs {missing}")
-    if kind == INPUT and stage.fields["provides"] not in ("checkpoint", "hf", "data", "endpoint"):
-        raise PipelineError(f"{stage.where}.provides: {stage.fields['provides']!r} is not one of checkpoint, hf, data, "
-                            f"endpoint")
+    if kind == INPUT and stage.fields["provides"] not in INPUTS:
+        raise PipelineError(f"{stage.where}.provides: {stage.fields['provides']!r} is not one of {', '.join(INPUTS)}")
     if not isinstance(stage.fields.get("args", []), list):
         raise PipelineError(f"{stage.where}.args: a list of command-line words, not {stage.fields['args']!r}")
     _check_slurm(stage.fields.get("slurm"), f"{stage.where}.slurm")

@@ -10,6 +10,7 @@ has vLLM. Then each stage's fingerprint (its kind, fields, arguments, config fil
 it reads) is compared with what its directory records, so outputs made from other inputs are never mixed.
 """
 
+import argparse
 import functools
 import hashlib
 import json
@@ -173,6 +174,37 @@ def check_server_python(stage: Stage) -> None:
         raise PipelineError(f"{stage.where}.python: {python} has no vLLM (make venv-vllm on CPU; pip install vllm)")
 
 
+def _eval_env(stage: Stage) -> tuple[str, dict, str]:
+    """The env, options and task split an eval_agent stage's args name (as tools/eval_agent.py reads them; a gym suite
+    is scored with its evaluation reward there)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--env")
+    parser.add_argument("--env-options", default="{}")
+    parser.add_argument("--split", default="test")
+    known, _ = parser.parse_known_args(stage.args)
+    if known.env is None:
+        raise PipelineError(f"{stage.where}.args: no --env (tools/eval_agent.py --help)")
+    try:
+        options = json.loads(known.env_options)
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"{stage.where}.args: --env-options is not JSON: {exc.msg}") from None
+    if not isinstance(options, dict):
+        raise PipelineError(f"{stage.where}.args: --env-options must be a JSON object")
+    return known.env, options, known.split
+
+
+def _check_env(stage: Stage, env: str, options: dict, split: str) -> None:
+    """The env a stage plays loads here, when the chain is submitted rather than hours later on a node: UserRL's gyms
+    installed, importable and with their keys set (SearchGym's SERPER_API_KEY), their tasks there."""
+    from megatron_mimesis.rl.envs import build_suite
+
+    try:
+        if not build_suite(env, options).task_ids(split):
+            raise ValueError(f"split {split!r} has no tasks")
+    except (ImportError, ValueError, KeyError, TypeError) as exc:  # userrl's UserRLError is a ValueError
+        raise PipelineError(f"{stage.where}: its {env} env does not load: {exc.args[0] if exc.args else exc}") from None
+
+
 def resolve(definition: Definition, slurm: bool = False, plans: bool = True) -> Resolution:
     """Every stage's hand-offs, outputs and fingerprint, checked; raises :class:`PipelineError` with one line."""
     resolution = Resolution(definition)
@@ -198,6 +230,10 @@ def resolve(definition: Definition, slurm: bool = False, plans: bool = True) -> 
                     plan_line = _memory_plan(stage, config, layout)
             if stage.kind == "serve" and not slurm:  # a chain's server job checks its node's python itself
                 check_server_python(stage)
+            if stage.kind == "rl_agent":
+                _check_env(stage, config.env, config.env_options, config.train_split)
+            if stage.kind == "eval_agent":
+                _check_env(stage, *_eval_env(stage))
             output = planned_output(run_dir, stage, inputs, config.preset if config else None)
             fields = {k: v for k, v in stage.fields.items() if k not in stage.handoffs()}
             fingerprint = _sha({"kind": stage.kind, "fields": fields,

@@ -6,7 +6,8 @@ A training stage's job takes the layout, time limit, pre-timeout signal and SHUT
 (``launch/slurm/<stage>.sbatch``, the paper's layouts, which its plan was checked at); every other stage runs in
 ``launch/slurm/pipeline_stage.sbatch`` (one node). The server of the simulator is a job of its own: the stages that
 read it start once it runs (``--dependency=after``) and wait for the address it records, up to the stage's
-``start_timeout_s``; a last job cancels it once every stage that reads it has ended. A stage's ``slurm`` field
+``start_timeout_s``; it starts no earlier than its readers could (``readers_wait``), and a last job cancels it once
+every stage that reads it has ended. A stage's ``slurm`` field
 (``{nodes, gpus_per_node, ntasks_per_node, time, partition, account}``) overrides its file's request, and the
 definition's own ``slurm`` field sets it for every job (a CPU partition: ``gpus_per_node: 0``); the chain's plans are
 made at the request as submitted. The server's time limit follows its readers (the sum of theirs); a reader that
@@ -35,6 +36,28 @@ def _shutdown_timeout(stage) -> str | None:
 def readers(resolution: Resolution, server: str) -> list[str]:
     definition = resolution.definition
     return [name for name in definition.stages if server in definition.needs_of(name)]
+
+
+def readers_wait(resolution: Resolution, server: str, jobs: dict[str, str]) -> list[str]:
+    """The jobs that every reader of a server waits for besides the server (through the other servers it reads): the
+    server starts when its first reader can. An agent the evaluation serves from a given checkpoint would otherwise
+    hold a node from submission on, days before the evaluation runs, and its time limit would end before it."""
+    definition = resolution.definition
+
+    def waits(name: str, seen: set[str]) -> set[str]:
+        found = set()
+        for ref in definition.needs_of(name):
+            if ref == server or ref in seen:
+                continue
+            if resolution.stages[ref].stage.kind == "serve":
+                found |= waits(ref, seen | {ref})
+            elif ref in jobs:
+                found.add(ref)
+        return found
+
+    common = set.intersection(*(waits(r, {r}) for r in readers(resolution, server))) if readers(resolution, server) \
+        else set()
+    return sorted(common, key=list(definition.stages).index)
 
 
 def server_time(resolution: Resolution, server: str) -> str | None:
@@ -133,6 +156,8 @@ def _submit_chain(resolution: Resolution, jobs: dict[str, str], dry_run: bool) -
                 after.append(jobs[ref])
             else:
                 after_ok.append(jobs[ref])
+        if resolved.stage.kind == "serve":
+            after_ok += [jobs[ref] for ref in readers_wait(resolution, name, jobs) if jobs[ref] not in after_ok]
         dependency = ",".join([*(f"afterok:{j}" for j in after_ok), *(f"after:{j}" for j in after)])
         options = job_options(resolution, name)
         argv = ["sbatch", "--parsable", *options,

@@ -131,6 +131,11 @@ def given_output(stage: Stage, value: str) -> Output:
             raise PipelineError(str(exc)) from None
         return Output("endpoint", endpoint=(url, model))
     path = Path(value).resolve()
+    if provides == "conversations":
+        if not path.is_file():
+            raise PipelineError(f"{label}: {path}: no such file (a file of conversations, as eval_simulator --input "
+                                f"reads)")
+        return Output("conversations", path)
     if not path.exists():
         raise PipelineError(f"{label}: {path}: no such directory")
     if provides == "data":  # its manifest names the tokenizer it was encoded with (data_prep keeps a given one where
@@ -201,12 +206,16 @@ def command(stage: Stage, run_dir: Path, inputs: dict[str, Output], python: str)
         for name in stage.fields["simulators"]:
             source = inputs[f"simulators.{name}"]
             specs += ["--simulator", f"{name}={'ckpt' if source.kind == 'checkpoint' else 'hf'}:{source.path}"]
+        if "heldout" in inputs:
+            specs += ["--input", str(inputs["heldout"].path)]
         return [python, str(REPO / "tools" / "eval_simulator.py"), *specs, "--output", str(out / "report"),
                 *_resume(out / "report"), "--no-progress", *stage.args], {}
     if kind == "eval_agent":
         specs = []
         for name in stage.fields["agents"]:
-            specs += ["--agent", f"{name}=hf:{inputs[f'agents.{name}'].path}"]
+            source = inputs[f"agents.{name}"]
+            specs += ["--agent", f"{name}=openai:{source.endpoint[0]}@{source.endpoint[1]}" if source.endpoint else
+                      f"{name}=hf:{source.path}"]
         for name, ref in stage.fields["users"].items():
             source = inputs.get(f"users.{name}")
             specs += ["--user", f"{name}={ref}" if source is None else

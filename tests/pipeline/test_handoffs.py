@@ -2,6 +2,7 @@
 layout, dependency and memory plan (``bash launch/pipeline.sh``, the path a user runs)."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -20,9 +21,11 @@ DEMO = REPO / "launch" / "pipelines" / "demo.yaml"
 PAPER = REPO / "launch" / "pipelines" / "paper.yaml"
 
 
-def pipeline(*args, cwd=REPO):
+def pipeline(*args, cwd=REPO, env=None):
+    # the paper's agent evaluation plays SearchGym, which needs its search key at submit
+    environment = {**os.environ, "PYTHON": sys.executable, "SERPER_API_KEY": "test-key", **(env or {})}
     return subprocess.run(["bash", str(REPO / "launch" / "pipeline.sh"), *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env={**__import__("os").environ, "PYTHON": sys.executable}, timeout=300)
+                          text=True, cwd=cwd, env={k: v for k, v in environment.items() if v is not None}, timeout=300)
 
 
 def one_line_error(result) -> str:
@@ -36,7 +39,7 @@ def one_line_error(result) -> str:
 @pytest.fixture(scope="module")
 def paper_inputs(tmp_path_factory, tiny_dataset):
     """What a user of the paper's chain gives: HF directories of Qwen3.5-9B and Qwen3-8B (their configs; the tokenizer
-    here is the tiny one the data were encoded with) and two data_prep outputs."""
+    here is the tiny one the data were encoded with), two data_prep outputs and a file of held-out conversations."""
     from megatron_mimesis.models.presets import get_preset
 
     root = tmp_path_factory.mktemp("paper-inputs")
@@ -46,6 +49,9 @@ def paper_inputs(tmp_path_factory, tiny_dataset):
         shutil.copytree(tiny_dataset / "tokenizer", directory)
         get_preset(preset).family.hf_config(get_preset(preset)).save_pretrained(directory)
         given[stage] = directory
+    given["heldout_humans"] = root / "heldout.jsonl"
+    given["heldout_humans"].write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "hello"}]}) + "\n")
     return [f"--given={stage}={path}" for stage, path in given.items()]
 
 
@@ -87,8 +93,45 @@ def test_a_layout_that_does_not_fit_fails_at_launch_naming_the_stage(tmp_path, p
     assert "GiB" in line and "A100-80GB" in line, line  # the plan's refusal: its biggest term, what fits
 
 
+# the gyms of the paper whose data this copy of UserRL has (TravelGym's and PersuadeGym's data files are not in
+# ../shared/third_party: see its README)
+GYMS_HERE = ("TauGym", "TurtleGym", "FunctionGym", "IntentionGym", "TelepathyGym", "SearchGym")
+
+
+def paper_with_gyms_here(tmp_path) -> Path:
+    """paper.yaml with its agent RL and agent evaluation on the gyms that load here, the rest of it as shipped."""
+    paper = yaml.safe_load(PAPER.read_text())
+    stages = paper["stages"]
+    trained = yaml.safe_load((REPO / stages["agent_rl"]["config"]).read_text())["env_options"]
+    trained["gyms"] = {name: value for name, value in trained["gyms"].items() if name in GYMS_HERE}
+    stages["agent_rl"]["args"] = ["--env-options", json.dumps(trained)]
+    args = stages["agent_eval"]["args"]
+    evaluated = json.loads(args[args.index("--env-options") + 1])
+    assert sorted(evaluated["gyms"]) == sorted([*GYMS_HERE, "TravelGym", "PersuadeGym"])  # the paper's eight
+    evaluated["gyms"] = {name: {} for name in GYMS_HERE}
+    args[args.index("--env-options") + 1] = json.dumps(evaluated)
+    path = tmp_path / "paper.yaml"
+    path.write_text(yaml.safe_dump(paper, sort_keys=False))
+    return path
+
+
+def test_the_paper_chain_refuses_at_submit_an_env_that_would_not_load_on_its_nodes(tmp_path, paper_inputs):
+    """The agent evaluation plays SearchGym, whose search key must be set: without it the chain is refused at submit
+    in one line naming the stage (it failed a day into the chain, on the evaluation's node); so is a gym whose data
+    the installed copy lacks."""
+    line = one_line_error(pipeline("submit", paper_with_gyms_here(tmp_path), "--dry-run", "--run-dir", tmp_path / "r",
+                                   *paper_inputs, env={"SERPER_API_KEY": None}))
+    assert line == (f"error: {tmp_path / 'paper.yaml'}: stages.agent_eval: its userrl env does not load: SearchGym does "
+                    f"not import: Serper API key not found. Please provide it in secret.json or SERPER_API_KEY "
+                    f"environment variable."), line
+    line = one_line_error(pipeline("submit", PAPER, "--dry-run", "--run-dir", tmp_path / "r", *paper_inputs))
+    assert line.startswith(f"error: {PAPER}: stages.agent_rl: its userrl env does not load: TravelGym: its tasks do "
+                           f"not load ("), line
+
+
 def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and_plan(tmp_path, paper_inputs):
-    result = pipeline("submit", PAPER, "--dry-run", "--run-dir", tmp_path, *paper_inputs)
+    paper = paper_with_gyms_here(tmp_path)
+    result = pipeline("submit", paper, "--dry-run", "--run-dir", tmp_path, *paper_inputs)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     jobs = dict(re.findall(r"^== (\w+) \(\w+\): job <\w+>, (.+)$", out, re.M))
@@ -102,15 +145,28 @@ def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and
         "agent_rl": "2 node(s) x 8 GPU(s), time 2-00:00:00, after after:<simulator_server>",
         "agent_export": "1 node(s) x 8 GPU(s), time 1-00:00:00, after afterok:<agent_rl>",
         "simulator_eval": "1 node(s) x 1 GPU(s), time 12:00:00, after afterok:<sft>,afterok:<simulator_rl>",
-        "agent_eval": "1 node(s) x 1 GPU(s), time 1-00:00:00, after afterok:<agent_export>,after:<simulator_server>",
+        # each agent served for the evaluation: started when the evaluation can start (the starting agent, given,
+        # would otherwise hold a node from submission on), its limit the evaluation's and its own start
+        "agent_before_server": "1 node(s) x 8 GPU(s), time 1-00:30:00, after afterok:<simulator_export>,"
+                               "afterok:<agent_export>",
+        "agent_after_server": "1 node(s) x 8 GPU(s), time 1-00:30:00, after afterok:<agent_export>,"
+                              "afterok:<simulator_export>",
+        "agent_eval": "1 node(s) x 0 GPU(s), time 1-00:00:00, after after:<agent_before_server>,"
+                      "after:<agent_after_server>,after:<simulator_server>",
     }, out
+    # the simulators scored on the given held-out humans with thinking as trained; the agents through their servers
+    simulator_eval, agent_eval = (yaml.safe_load(paper.read_text())["stages"][name] for name in ("simulator_eval",
+                                                                                                  "agent_eval"))
+    assert simulator_eval["heldout"] == "heldout_humans" and "--thinking" in simulator_eval["args"]
+    assert agent_eval["agents"] == {"before": "agent_before_server", "after": "agent_after_server"}
     plans = re.findall(r"^== (\w+) .*\n   memory plan: ([\d.]+) GiB per GPU of [\d.]+ \(A100-80GB\)", out, re.M)
     assert [stage for stage, _ in plans] == ["midtrain", "sft", "simulator_rl", "agent_rl"], out
     assert dict(plans)["agent_rl"] == "66.37", out  # docs/layouts.md's figure for this config at 2x8
     # a training job keeps its own sbatch file's request: the paper's time limit, pre-timeout signal and save window
     assert re.search(r"--nodes=4 .*--signal=B:USR1@360 .*--export=ALL,SHUTDOWN_TIMEOUT=240 .*pipeline_stage\.sbatch "
-                     rf"{PAPER} midtrain --run-dir={tmp_path}", out), out
+                     rf"{paper} midtrain --run-dir={tmp_path}", out), out
     assert "--wrap=scancel <simulator_server>" in out and "afterany:<agent_rl>:<agent_eval>" in out, out
+    assert "--wrap=scancel <agent_before_server>" in out and "--wrap=scancel <agent_after_server>" in out, out
     assert not (tmp_path / "slurm_jobs.txt").exists()
 
 
@@ -171,3 +227,29 @@ def test_outputs_made_from_other_inputs_are_refused(tmp_path):
     with pytest.raises(definition.PipelineError, match=rf"^stage midtrain: {tmp_path}/midtrain was made from other "
                                                        r"inputs .* or run with another --run-dir$"):
         resolve(loaded, plans=False)
+
+
+def test_evaluation_stages_play_served_agents_read_given_conversations_and_resume(tmp_path):
+    """The commands of the evaluation stages: an agent served by a serve stage is played through its endpoint (vLLM
+    batches the episodes), the simulators are scored on the given held-out conversations, and a stage run again
+    continues its killed run from its cache instead of starting over."""
+    from megatron_mimesis.pipeline.definition import Stage
+    from megatron_mimesis.pipeline.stages import Output, command
+
+    agents = Stage("agent_eval", "eval_agent", {"agents": {"before": "a", "after": "b"}, "users": {"sim": "s"},
+                                                "tokenizer": "agent_init", "args": ["--env", "toy"]}, "x")
+    inputs = {"agents.before": Output("endpoint", endpoint=("http://h:1/v1", "agent-before")),
+              "agents.after": Output("hf", tmp_path / "hf"), "users.sim": Output("endpoint", endpoint=("http://h:2/v1", "s")),
+              "tokenizer": Output("hf", tmp_path / "tok", tmp_path / "tok")}
+    argv, _ = command(agents, tmp_path, inputs, "python")
+    assert argv[2:9] == ["--agent", "before=openai:http://h:1/v1@agent-before", "--agent", f"after=hf:{tmp_path / 'hf'}",
+                         "--user", "sim=openai:http://h:2/v1@s", "--tokenizer"], argv
+    assert "--overwrite" in argv and "--resume" not in argv
+    (tmp_path / "agent_eval" / "report").mkdir(parents=True)
+    (tmp_path / "agent_eval" / "report" / "cache.jsonl").write_text("")
+    assert "--resume" in command(agents, tmp_path, inputs, "python")[0]
+
+    simulators = Stage("simulator_eval", "eval_simulator", {"simulators": {"sft": "sft"}, "heldout": "humans"}, "x")
+    argv, _ = command(simulators, tmp_path, {"simulators.sft": Output("checkpoint", tmp_path / "ckpt"),
+                                             "heldout": Output("conversations", tmp_path / "h.jsonl")}, "python")
+    assert argv[2:6] == ["--simulator", f"sft=ckpt:{tmp_path / 'ckpt'}", "--input", str(tmp_path / "h.jsonl")], argv
