@@ -93,13 +93,28 @@ def _cell(value: float | None, digits: int) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def table_markdown(rows: list[dict], users: list[str], pairs: list[dict]) -> str:
+def floor_warning(pairs: list[dict], floor: int) -> str | None:
+    """The warning for a table with a score resting on fewer scored tasks than ``floor`` (--min-tasks)."""
+    fewest = min((p["n_tasks_scored"] for p in pairs), default=0)
+    if fewest >= floor:
+        return None
+    return (f"warning: a score rests on {fewest} tasks, fewer than --min-tasks {floor}: differences between agents may "
+            f"be noise; evaluate more tasks (--tasks, the split)")
+
+
+def table_markdown(rows: list[dict], users: list[str], pairs: list[dict], floor: int) -> str:
     header = ["Agent", *users, "Average", "Mean rank"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for row in rows:
         cells = [row["agent"], *(_cell(row["scores"][u], 3) for u in users), _cell(row["average"], 3),
                  _cell(row["mean_rank"], 2)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Measured on (tasks with a scored episode; episodes scored of played):",
+              *(f"- {p['agent']} x {p['user']}: {p['n_tasks_scored']} tasks; {p['n_scored']} of {p['n_episodes']} "
+                f"episodes" for p in pairs)]
+    warning = floor_warning(pairs, floor)
+    if warning:
+        lines += ["", warning]
     notes = [f"- {p['agent']} x {p['user']}: {p['n_episodes'] - p['n_scored']} of {p['n_episodes']} episodes "
              f"unscored ({', '.join(f'{k}: {v}' for k, v in sorted(p['failures'].items()))})"
              for p in pairs if p["n_scored"] < p["n_episodes"]]
@@ -197,6 +212,8 @@ def parse_args(argv):
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per endpoint")
     parser.add_argument("--request-timeout", type=float, default=600, help="seconds per endpoint request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-tasks", type=int, default=30, metavar="N",
+                        help="warn (in the table and on stderr) when a score rests on fewer tasks (default 30)")
     parser.add_argument("--chunk-tasks", type=int, default=64, metavar="N",
                         help="tasks a pair plays at once (all their trials), each chunk kept as it ends (default 64)")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory for results, tables, plot, episodes")
@@ -316,7 +333,10 @@ def write_outputs(args, agents: list[Spec], users: list[Spec], suite, task_ids: 
     results = {"config": config, "pairs": pairs, "table": rows}
     (args.output / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_table_csv(args.output / "table.csv", rows, user_names)
-    markdown = table_markdown(rows, user_names, pairs)
+    markdown = table_markdown(rows, user_names, pairs, args.min_tasks)
+    warning = floor_warning(pairs, args.min_tasks)
+    if warning:
+        print(warning, file=sys.stderr)
     (args.output / "table.md").write_text(markdown)
     plot_scores(args.output / "scores.png", rows, user_names)
     if len({d for p in pairs for d in p["domain_scores"]}) > 1:

@@ -93,6 +93,8 @@ def parse_args(argv):
                       help="read only the first N records of each corpus, before the train/valid split (as data_prep's "
                            "flag): the held-out conversations are the valid share of those N")
     data.add_argument("--seq-length", type=int, default=24576, help="likelihood windows, as the training rows")
+    data.add_argument("--min-conversations", type=int, default=50, metavar="N",
+                      help="warn (in the table and on stderr) when a row rests on fewer conversations (default 50)")
     gen = parser.add_argument_group("sampling (the same for every simulator)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="per simulated turn")
     gen.add_argument("--temperature", type=float, default=1.0)
@@ -249,7 +251,8 @@ def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:
 
 def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool, calibration, records) -> str:
     table = metric_table(rows, taxonomy, judged, args.bootstrap, args.seed)
-    counts = {row.name: {"observations": len(row.observations), "likelihood_turns": len(row.likelihood),
+    counts = {row.name: {"conversations": len({o["unit"] for o in row.observations}),
+                         "observations": len(row.observations), "likelihood_turns": len(row.likelihood),
                          "likelihood_tokens": sum(t["tokens"] for t in row.likelihood),
                          "generation_errors": dict(row.generation_errors), "judge_errors": dict(row.judge_errors),
                          "overlong_turns": row.overlong_turns, "likelihood_note": row.likelihood_note,
@@ -263,7 +266,10 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
                "calibration": {row.name: row.calibration for row in rows if row.calibration is not None}}
     report.write_json(args.output / "results.json", results)
     report.write_csv(args.output / "table.csv", table, bool(calibration))
-    markdown = report.markdown(table, counts, bool(calibration), dict(held_out.skipped))
+    markdown = report.markdown(table, counts, bool(calibration), dict(held_out.skipped), args.min_conversations)
+    warning = report.floor_warning(counts, args.min_conversations)
+    if warning:
+        print(warning, file=sys.stderr)
     (args.output / "table.md").write_text(markdown)
     with open(args.output / "items.jsonl", "w") as items:
         for row in rows:

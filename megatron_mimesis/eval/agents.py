@@ -195,6 +195,7 @@ def score_pair(agent: str, user: str, records: list[dict], task_ids: list[str], 
     return {"agent": agent, "user": user, "score": pair_score(rewards, task_ids, suite.trial_score),
             "domain_scores": {d: pair_score(rewards, ids, suite.trial_score) for d, ids in sorted(domains.items())},
             "n_episodes": len(records), "n_scored": len(scored),
+            "n_tasks_scored": sum(any(r is not None for r in task) for task in rewards.values()),
             "failures": count_failures(r["failure"] for r in records), "task_rewards": rewards}
 
 

@@ -50,10 +50,27 @@ def all_metrics(table: dict, calibrated: bool) -> list[dict]:
     return table["metrics"] + (CALIBRATION_METRICS if calibrated else [])
 
 
-def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict) -> str:
+def floor_warning(counts: dict, floor: int) -> str | None:
+    """The warning for a table whose rows rest on fewer conversations than ``floor`` (--min-conversations)."""
+    fewest = min((c["conversations"] for c in counts.values()), default=0)
+    if fewest >= floor:
+        return None
+    return (f"warning: a row rests on {fewest} conversations, fewer than --min-conversations {floor}: its intervals "
+            f"are wide and differences between rows may be noise; give more held-out conversations (--input, a "
+            f"larger --max-conversations)")
+
+
+def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict, floor: int) -> str:
     rows = list(table["cells"])
     metrics = all_metrics(table, calibrated)
-    lines = []
+    lines = ["### Measured on", "", "| | conversations | positions | likelihood turns |", "|---|---:|---:|---:|"]
+    lines += [f"| {row} | {c['conversations']} | {c['observations']} | {c['likelihood_turns'] or 'n/a'} |"
+              for row, c in counts.items()]
+    lines += ["", "A conversation is one rendering of one held-out conversation (the bootstrap's unit; where both "
+                  "speakers play the user, one per speaker); a position is a human turn the row answered.", ""]
+    warning = floor_warning(counts, floor)
+    if warning:
+        lines += [warning, ""]
     for group, title in GROUP_TITLES.items():
         chosen = [m for m in metrics if m["group"] == group]
         if not chosen:

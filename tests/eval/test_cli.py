@@ -142,7 +142,14 @@ def test_a_chat_model_playing_the_user_end_to_end(tmp_path, capsys):
     assert results["cells"]["chat"]["end_rate"]["value"] == pytest.approx(1 / 6)  # only c0's last turn has 4 before
     markdown = (tmp_path / "out" / "table.md").read_text()
     assert "- chat: 1 generation errors left out (InternalServerError: 1)" in markdown
-    assert markdown in capsys.readouterr().out
+    # what each row rests on, and the warning below the floor: in the table and on stderr
+    assert counts["conversations"] == results["counts"]["human"]["conversations"] == results["conversations"] == 3
+    assert "| human | 3 | 7 | n/a |\n| chat | 3 | 6 | n/a |" in markdown
+    warning = ("warning: a row rests on 3 conversations, fewer than --min-conversations 50: its intervals are wide "
+               "and differences between rows may be noise; give more held-out conversations (--input, a larger "
+               "--max-conversations)")
+    output = capsys.readouterr()
+    assert markdown in output.out and f"\n{warning}\n" in markdown and warning in output.err
 
 
 def test_max_conversations_says_it_counts_records_before_the_split(capsys):

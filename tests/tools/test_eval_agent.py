@@ -78,7 +78,14 @@ def test_two_agents_by_two_users(tiny_hf_checkpoint, tokenizer_dir, tmp_path, ca
     markdown = (out / "table.md").read_text()
     assert markdown.splitlines()[0] == "| Agent | alice | bob | Average | Mean rank |"
     assert "| oracle | 2.000 | 2.000 | 2.000 | 1.00 |" in markdown
-    assert markdown in capsys.readouterr().out
+    # what each score rests on, and the warning below the floor (--min-tasks, 30 by default): table and stderr
+    assert "Measured on (tasks with a scored episode; episodes scored of played):\n- tiny x alice: 2 tasks; 2 of 2 " \
+           "episodes\n" in markdown
+    warning = ("warning: a score rests on 2 tasks, fewer than --min-tasks 30: differences between agents may be noise; "
+               "evaluate more tasks (--tasks, the split)")
+    output = capsys.readouterr()
+    assert markdown in output.out and markdown.endswith(f"\n{warning}\n") and warning in output.err
+    assert all(p["n_tasks_scored"] == 2 for p in results["pairs"])
 
 
 def test_failed_requests_are_left_out_and_counted(tokenizer_dir, tmp_path):
