@@ -102,7 +102,7 @@ def floor_warning(pairs: list[dict], floor: int) -> str | None:
             f"be noise; evaluate more tasks (--tasks, the split)")
 
 
-def table_markdown(rows: list[dict], users: list[str], pairs: list[dict], floor: int) -> str:
+def table_markdown(rows: list[dict], users: list[str], pairs: list[dict], warning: str | None) -> str:
     header = ["Agent", *users, "Average", "Mean rank"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     for row in rows:
@@ -112,8 +112,7 @@ def table_markdown(rows: list[dict], users: list[str], pairs: list[dict], floor:
     lines += ["", "Measured on (tasks with a scored episode; episodes scored of played):",
               *(f"- {p['agent']} x {p['user']}: {p['n_tasks_scored']} tasks; {p['n_scored']} of {p['n_episodes']} "
                 f"episodes" for p in pairs)]
-    warning = floor_warning(pairs, floor)
-    if warning:
+    if warning:  # floor_warning's
         lines += ["", warning]
     notes = [f"- {p['agent']} x {p['user']}: {p['n_episodes'] - p['n_scored']} of {p['n_episodes']} episodes "
              f"unscored ({', '.join(f'{k}: {v}' for k, v in sorted(p['failures'].items()))})"
@@ -276,7 +275,6 @@ def validate(args) -> tuple[list[Spec], list[Spec], object, list[str]]:
     return agents, users, suite, task_ids
 
 
-
 def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[str]) -> list[dict]:
     """Every agent x user pair, chunk by chunk; a chunk found in the cache is not played again, and an agent whose
     chunks are all there is never loaded."""
@@ -306,8 +304,9 @@ def evaluate(args, agents: list[Spec], users: list[Spec], suite, task_ids: list[
                         played_chunk = play_pair(player, user_models[user.name], suite, chunk,
                                                  replace(settings, seed=args.seed + k), (agent.name, user.name))
                         cache.put(key, json.loads(json.dumps(played_chunk, default=_json_default)))
-                    records += cache.get(key)
-                    bar.update(len(cache.get(key)))
+                    chunk_records = cache.get(key)
+                    records += chunk_records
+                    bar.update(len(chunk_records))
                 pair = score_pair(agent.name, user.name, records, task_ids, suite)
                 pairs.append(pair)
                 for record in records:
@@ -333,10 +332,10 @@ def write_outputs(args, agents: list[Spec], users: list[Spec], suite, task_ids: 
     results = {"config": config, "pairs": pairs, "table": rows}
     (args.output / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_table_csv(args.output / "table.csv", rows, user_names)
-    markdown = table_markdown(rows, user_names, pairs, args.min_tasks)
     warning = floor_warning(pairs, args.min_tasks)
     if warning:
         print(warning, file=sys.stderr)
+    markdown = table_markdown(rows, user_names, pairs, warning)
     (args.output / "table.md").write_text(markdown)
     plot_scores(args.output / "scores.png", rows, user_names)
     if len({d for p in pairs for d in p["domain_scores"]}) > 1:

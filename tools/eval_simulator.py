@@ -266,10 +266,10 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
                "calibration": {row.name: row.calibration for row in rows if row.calibration is not None}}
     report.write_json(args.output / "results.json", results)
     report.write_csv(args.output / "table.csv", table, bool(calibration))
-    markdown = report.markdown(table, counts, bool(calibration), dict(held_out.skipped), args.min_conversations)
     warning = report.floor_warning(counts, args.min_conversations)
     if warning:
         print(warning, file=sys.stderr)
+    markdown = report.markdown(table, counts, bool(calibration), dict(held_out.skipped), warning)
     (args.output / "table.md").write_text(markdown)
     with open(args.output / "items.jsonl", "w") as items:
         for row in rows:

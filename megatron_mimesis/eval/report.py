@@ -60,7 +60,7 @@ def floor_warning(counts: dict, floor: int) -> str | None:
             f"larger --max-conversations)")
 
 
-def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict, floor: int) -> str:
+def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict, warning: str | None) -> str:
     rows = list(table["cells"])
     metrics = all_metrics(table, calibrated)
     lines = ["### Measured on", "", "| | conversations | positions | likelihood turns |", "|---|---:|---:|---:|"]
@@ -68,8 +68,7 @@ def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict,
               for row, c in counts.items()]
     lines += ["", "A conversation is one rendering of one held-out conversation (the bootstrap's unit; where both "
                   "speakers play the user, one per speaker); a position is a human turn the row answered.", ""]
-    warning = floor_warning(counts, floor)
-    if warning:
+    if warning:  # floor_warning's
         lines += [warning, ""]
     for group, title in GROUP_TITLES.items():
         chosen = [m for m in metrics if m["group"] == group]

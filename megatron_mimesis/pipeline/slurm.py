@@ -55,9 +55,8 @@ def readers_wait(resolution: Resolution, server: str, jobs: dict[str, str]) -> l
                 found.add(ref)
         return found
 
-    common = set.intersection(*(waits(r, {r}) for r in readers(resolution, server))) if readers(resolution, server) \
-        else set()
-    return sorted(common, key=list(definition.stages).index)
+    waited = [waits(reader, {reader}) for reader in readers(resolution, server)]
+    return sorted(set.intersection(*waited) if waited else set(), key=list(definition.stages).index)
 
 
 def server_time(resolution: Resolution, server: str) -> str | None:
