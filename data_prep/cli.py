@@ -17,7 +17,7 @@ from data_prep.pipeline import (
     PrepError,
     build,
 )
-from data_prep.records import FORMATS
+from data_prep.records import DOUBLE_TEXTING, FORMATS
 from data_prep.render import END_MARKER, USER_SPEAKERS
 
 DESCRIPTIONS = {
@@ -60,6 +60,13 @@ def parse_args(task: str, argv: list[str] | None) -> PrepConfig:
         help="who plays the user: role (as given; default for --input), first/second speaker, or both",
     )
     parser.add_argument("--format", dest="record_format", choices=tuple(FORMATS), default="messages")
+    parser.add_argument(
+        "--double-texting",
+        choices=DOUBLE_TEXTING,
+        default="reject",
+        help="two messages in a row from one speaker: a bad record (non_alternating, see --on-error) or merged into "
+        "one turn, joined by a newline (default: reject)",
+    )
     for name in ("messages", "role", "content", "thinking", "id"):
         parser.add_argument(f"--{name}-field", help=f"record field holding the {name} (overrides --format)")
     parser.add_argument("--split", default="train", help="split to read from a `datasets` input")

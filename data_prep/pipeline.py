@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.packing import pack
-from data_prep.records import FORMATS, RecordError, decode_json_line, to_conversation
+from data_prep.records import DOUBLE_TEXTING, FORMATS, RecordError, decode_json_line, to_conversation
 from data_prep.render import END_MARKER, NOT_ENDED_REASONS, USER_SPEAKERS, end_turns
 from data_prep.shards import SPLITS, ShardResult, ShardSettings, load_split, process_shard, worker_init
 from data_prep.sources import Source, chitchat_source, open_source
@@ -75,6 +75,7 @@ class PrepConfig:
     content_field: str | None = None
     thinking_field: str | None = None
     id_field: str | None = None
+    double_texting: str = "reject"
     split: str = "train"
     valid_fraction: float = 0.01
     weights: list[float] | None = None
@@ -87,6 +88,8 @@ class PrepConfig:
             raise PrepError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.on_error not in (None, "fail", "skip"):
             raise PrepError(f"--on-error must be fail or skip, got {self.on_error!r}")
+        if self.double_texting not in DOUBLE_TEXTING:
+            raise PrepError(f"--double-texting must be one of {DOUBLE_TEXTING}, got {self.double_texting!r}")
         if self.user_speaker is not None and self.user_speaker not in USER_SPEAKERS:
             raise PrepError(f"--user-speaker must be one of {USER_SPEAKERS}, got {self.user_speaker!r}")
         if self.record_format not in FORMATS:
@@ -222,6 +225,11 @@ def _build_unlocked(
             complete=complete,
             end_marker=END_MARKER,
             valid_fraction=config.valid_fraction,
+            # how the records were read, so a tool can read the same conversations (eval_simulator --manifest)
+            record_format=asdict(source_settings.record_format),
+            on_error=config.resolved_on_error(),
+            split=source.split,
+            max_conversations=config.resolved_max_conversations(),
             thinking=(SYNTHETIC_DESCRIPTION if settings.synthetic_thinking else "from input")
             if settings.with_thinking
             else "off",
@@ -259,6 +267,7 @@ def _record_format(config: PrepConfig):
         content_field=config.content_field,
         thinking_field=config.thinking_field,
         id_field=config.id_field,
+        double_texting=config.double_texting,
     )
 
 

@@ -5,6 +5,10 @@ A conversation is ``{"messages": [{"role": "user"|"assistant"|"system", "content
 (``--format messages|sharegpt|chitchat`` plus per-field overrides); nothing is guessed, so a corpus in an
 unexpected shape fails loudly instead of silently producing empty samples.
 
+Double-texting (two messages in a row from one speaker, as chat logs record each message sent) is a
+``non_alternating`` record unless ``--double-texting merge`` is given: then a run of one speaker's messages becomes one
+turn, the messages joined by a newline (as the chit-chat corpus joins a speaker's lines), their thinking likewise.
+
 Every problem raises ``RecordError`` carrying a reason (the key counted in the manifest under ``skipped``)
 and a location ``file:line`` / ``file:row`` plus the field path, so a user can open the file at the spot.
 """
@@ -23,6 +27,8 @@ WRONG_TYPE = "wrong_type"
 UNKNOWN_ROLE = "unknown_role"
 EMPTY_CONTENT = "empty_content"
 NON_ALTERNATING = "non_alternating"
+
+DOUBLE_TEXTING = ("reject", "merge")  # what a run of one speaker's messages becomes: a bad record, or one turn
 
 
 class RecordError(ValueError):
@@ -65,6 +71,7 @@ class RecordFormat:
     role_names: dict[str, str] = field(default_factory=lambda: {r: r for r in CANONICAL_ROLES})
     chitchat: bool = False
     complete: bool = True
+    double_texting: str = "reject"
 
     def with_overrides(self, **fields: str | None) -> "RecordFormat":
         """Apply ``--messages-field`` etc.; ``None`` keeps the format's own default."""
@@ -106,6 +113,8 @@ def to_conversation(record: object, location: str, fmt: RecordFormat) -> Convers
         raise RecordError(WRONG_TYPE, location, "<record>", f"expected an object, got {type(record).__name__}")
     messages = _require(record, fmt.messages_field, list, location, fmt.messages_field)
     turns = _chitchat_turns(messages, location) if fmt.chitchat else _message_turns(messages, location, fmt)
+    if fmt.double_texting == "merge":
+        turns = _merge_runs(turns)
     _check_order(turns, location, fmt.messages_field)
     raw_id = record.get(fmt.id_field)
     if raw_id is None:
@@ -195,6 +204,19 @@ def _raise_chitchat_utterance_error(utterance: object, sender: str, location: st
     _require(utterance, "text", str, location, f"{path}.text")
 
 
+def _merge_runs(turns: list[Turn]) -> list[Turn]:
+    """Each run of consecutive turns of one role as one turn (the ``--double-texting merge`` rule)."""
+    merged: list[Turn] = []
+    for turn in turns:
+        if merged and merged[-1].role == turn.role:
+            last = merged[-1]
+            thinking = "\n".join(t for t in (last.thinking, turn.thinking) if t is not None) or None
+            merged[-1] = Turn(turn.role, f"{last.content}\n{turn.content}", thinking)
+        else:
+            merged.append(turn)
+    return merged
+
+
 def _check_order(turns: list[Turn], location: str, messages_field: str) -> None:
     """A system turn may only open the conversation; user and assistant must alternate."""
     roles = [t.role for t in turns]
@@ -204,7 +226,8 @@ def _check_order(turns: list[Turn], location: str, messages_field: str) -> None:
         if roles[i] == "system":
             raise RecordError(NON_ALTERNATING, location, f"{messages_field}[{i}]", "system turn after the start")
         if roles[i] == roles[i - 1]:
-            raise RecordError(NON_ALTERNATING, location, f"{messages_field}[{i}]", f"two {roles[i]} turns in a row")
+            raise RecordError(NON_ALTERNATING, location, f"{messages_field}[{i}]", f"two {roles[i]} turns in a row "
+                              "(--double-texting merge makes them one)")
 
 
 def _content_id(turns: list[Turn]) -> str:

@@ -31,6 +31,18 @@ def test_sharegpt_roles_and_content_id_when_no_id():
     assert conv.id.startswith("sha1:") and conv.id == to_conversation(record, "y:9", FORMATS["sharegpt"]).id
 
 
+def test_double_texting_is_a_bad_record_unless_merged():
+    record = {"messages": [{"role": "user", "content": "hey", "thinking": "greet"},
+                           {"role": "user", "content": "u there?", "thinking": "nudge"},
+                           {"role": "assistant", "content": "yes"}, {"role": "user", "content": "ok"},
+                           {"role": "user", "content": "bye"}]}
+    with pytest.raises(RecordError, match=r"x:1: messages\[1\]: two user turns in a row .*\[non_alternating\]"):
+        to_conversation(record, "x:1", FORMATS["messages"])
+    conv = to_conversation(record, "x:1", FORMATS["messages"].with_overrides(double_texting="merge"))
+    assert conv.turns == (Turn("user", "hey\nu there?", "greet\nnudge"), Turn("assistant", "yes"),
+                          Turn("user", "ok\nbye"))
+
+
 def test_synthetic_thinking_quotes_previous_turn():
     conv = to_conversation(
         {"messages": [{"role": "user", "content": "a b c d e f g h i j"}, {"role": "assistant", "content": "ok"}]},
