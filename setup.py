@@ -4,6 +4,8 @@ setup(
     name="megatron-mimesis",
     version="0.1.0",
     description="MIMESIS recipe (user-side mid-training, SFT, FoldGRPO, GRPO+CSD) for Qwen3.5 on megatron-core",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.12",
     # `kernels/` lives at the top of the repo but is imported as megatron_mimesis.kernels, because a
     # top-level package named `kernels` clashes with an existing PyPI package.

@@ -30,7 +30,7 @@ from pathlib import Path
 import openai
 from transformers.utils import logging as hf_logging
 
-from data_prep.records import FORMATS
+from data_prep.records import DOUBLE_TEXTING, FORMATS
 from data_prep.render import USER_SPEAKERS
 from megatron_mimesis.eval import report
 from megatron_mimesis.eval.agents import (
@@ -57,27 +57,78 @@ from megatron_mimesis.eval.evaluation import (
     replies,
     simulator_observations,
 )
-from megatron_mimesis.eval.heldout import HeldOutError, read_conversations
+from megatron_mimesis.eval.heldout import (
+    HeldOutError,
+    input_corpora,
+    manifest_corpora,
+    read_conversations,
+    training_overlap,
+)
 from megatron_mimesis.eval.judge import DEFAULT_TAXONOMY, Judge, TaxonomyError, load_taxonomy
 from megatron_mimesis.eval.simulators import Settings, SpecError, build, parse_specs
 from megatron_mimesis.rl.envs import ENVS, build_suite
 
 INTERNAL_FIELDS = ("unigrams", "bigrams", "usi", "human_usi")  # per-turn inputs of the metrics, not for items.jsonl
 REPLY_BATCH = 16  # positions per request batch: the cache is written after each
+INPUT_FORMATS = """\
+input formats (--format; one record per line, docs/evaluating_simulators.md has the rules):
+  messages (conversation logs: WildChat, LMSYS-Chat-1M; whole conversations):
+    {"id": "c1", "messages": [
+      {"role": "user", "content": "hey, is the pharmacy open sunday?"},
+      {"role": "assistant", "content": "It is, 10 to 4."},
+      {"role": "user", "content": "great thx"}]}
+  sharegpt (dumps split into parts; not whole conversations unless --complete yes):
+    {"id": "c2", "conversations": [
+      {"from": "human", "value": "can you help me plan a trip"},
+      {"from": "gpt", "value": "Sure! Where to?"},
+      {"from": "human", "value": "lisbon, 3 days"}]}
+  chitchat (chitchat-dataset's shape: one inner list per turn, one object per line the speaker sent):
+    {"id": "c3", "messages": [
+      [{"sender": "ann", "text": "hi!"}, {"sender": "ann", "text": "how was the trip"}],
+      [{"sender": "bo", "text": "great, tiring"}],
+      [{"sender": "ann", "text": "pics or it didnt happen"}]]}
+The speaker that plays the user is --user-speaker; two messages in a row from one speaker follow --double-texting.
+"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every default in --help: appended where a flag has one; a flag without (None, off) says in its help what
+    happens then."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default in ([], argparse.SUPPRESS)
+        if not unset and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=INPUT_FORMATS,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--simulator", action="append", default=[], metavar="NAME=SPEC",
                         help="hf:DIR, ckpt:DIR or openai:URL@MODEL (repeatable)")
-    parser.add_argument("--output", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="where the results go")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue a killed run in --output from its cache")
     group.add_argument("--overwrite", action="store_true", help="write into a non-empty --output, from scratch")
     data = parser.add_argument_group("held-out conversations (as python -m data_prep.midtrain reads them)")
     data.add_argument("--input", dest="inputs", nargs="+", default=[], metavar="PATH",
-                      help=".jsonl/.json lines, .parquet or a datasets name (default: the embedded chit-chat corpus)")
-    data.add_argument("--format", dest="record_format", choices=tuple(FORMATS), default="messages")
+                      help=".jsonl/.json lines, .parquet or a datasets name (default: the embedded chit-chat "
+                           "corpus; with --manifest, that build's held-out split)")
+    data.add_argument("--manifest", type=Path, metavar="FILE",
+                      help="a data_prep build's manifest.json: without --input, score its held-out (valid) split, "
+                           "read as it was built; with --input, count and warn about input conversations in its "
+                           "training split")
+    data.add_argument("--format", dest="record_format", choices=tuple(FORMATS), default="messages",
+                      help="record layout of --input (examples below)")
+    data.add_argument("--on-error", choices=("fail", "skip"),
+                      help="a bad record (empty message, unknown role, bad JSON, ...): stop at the first, naming file "
+                           "and line, or skip it and count it by reason in the results (default: fail for --input, "
+                           "skip for the embedded corpus, the build's own for --manifest; as in data_prep)")
+    data.add_argument("--double-texting", choices=DOUBLE_TEXTING, default="reject",
+                      help="two messages in a row from one speaker: a bad record (non_alternating, see --on-error) "
+                           "or merged into one turn, joined by a newline")
     for name in ("messages", "role", "content", "id"):
         data.add_argument(f"--{name}-field", help=f"record field holding the {name} (overrides --format)")
     data.add_argument("--complete", choices=("yes", "no"),
@@ -94,10 +145,10 @@ def parse_args(argv):
                            "flag): the held-out conversations are the valid share of those N")
     data.add_argument("--seq-length", type=int, default=24576, help="likelihood windows, as the training rows")
     data.add_argument("--min-conversations", type=int, default=50, metavar="N",
-                      help="warn (in the table and on stderr) when a row rests on fewer conversations (default 50)")
+                      help="warn (in the table and on stderr) when a row rests on fewer conversations")
     gen = parser.add_argument_group("sampling (the same for every simulator)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="per simulated turn")
-    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     gen.add_argument("--thinking", action="store_true",
                      help="prompt with the thinking template (an SFT'd simulator); default off, as mid-trained")
     gen.add_argument("--tokenizer", metavar="DIR", help="tokenizer for every simulator (default: each one's own)")
@@ -114,18 +165,18 @@ def parse_args(argv):
     calib.add_argument("--env", choices=[e for e in ENVS if e != "userrl"],
                        help="the environment the tasks come from (one whose user the runner plays: UserRL's gyms call "
                             "theirs themselves)")
-    calib.add_argument("--env-options", default="{}", metavar="JSON")
+    calib.add_argument("--env-options", default="{}", metavar="JSON", help="the env's options, as eval_agent's")
     calib.add_argument("--env-split", default="test", help="task split holding the outcome tasks")
     calib.add_argument("--success-reward", type=float, default=1.0,
                        help="episode reward that counts as success (1: tau2's task reward; 2 on the toy env)")
     calib.add_argument("--trials", type=int, default=1, help="episodes per task and simulator")
-    calib.add_argument("--max-agent-turns", type=int, default=30)
-    calib.add_argument("--agent-max-new-tokens", type=int, default=1024)
+    calib.add_argument("--max-agent-turns", type=int, default=30, help="agent turns per episode")
+    calib.add_argument("--agent-max-new-tokens", type=int, default=1024, help="per agent turn")
     parser.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap replicates (0: no CIs)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per endpoint")
     parser.add_argument("--request-timeout", type=float, default=600, help="seconds per endpoint request")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="sampling, bootstrap and episode seed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser.parse_args(argv)
 
 
@@ -168,15 +219,38 @@ def validate(args):
     calibration = None
     if args.outcomes or args.agent or args.env:
         calibration = validate_calibration(args)
-    held_out = read_conversations(args.inputs, args.record_format, args.user_speaker, args.valid_fraction,
-                                  args.max_conversations, args.split, messages_field=args.messages_field,
-                                  role_field=args.role_field, content_field=args.content_field,
-                                  id_field=args.id_field,
-                                  complete=None if args.complete is None else args.complete == "yes")
+    held_out = read_held_out(args)
     if judge:
         check_reachable(judge[0], "--judge", args.request_timeout)
     prepare_output(args.output, args.resume, args.overwrite, CACHE)
     return specs, held_out, judge, taxonomy, calibration
+
+
+READING_FLAGS = ("record_format", "messages_field", "role_field", "content_field", "id_field", "complete",
+                 "user_speaker", "valid_fraction", "max_conversations", "double_texting")
+
+
+def read_held_out(args):
+    """The held-out conversations: --input read with the reading flags, or a --manifest's valid split read as it
+    was built; with both, the input's overlap with the manifest's training split is counted."""
+    manifest = manifest_corpora(args.manifest, args.on_error) if args.manifest else None
+    if manifest and not args.inputs:
+        parser_defaults = parse_args(["--output", "-"])
+        given = [f"--{'format' if flag == 'record_format' else flag.replace('_', '-')}" for flag in READING_FLAGS
+                 if getattr(args, flag) != getattr(parser_defaults, flag)]
+        if given:
+            raise EvalError(f"{', '.join(given)}: --manifest reads its corpora as they were built; these flags "
+                            "apply to --input")
+        return read_conversations(manifest)
+    corpora = input_corpora(args.inputs, args.record_format, args.user_speaker, args.valid_fraction,
+                            args.max_conversations, args.split, args.on_error, messages_field=args.messages_field,
+                            role_field=args.role_field, content_field=args.content_field, id_field=args.id_field,
+                            double_texting=args.double_texting,
+                            complete=None if args.complete is None else args.complete == "yes")
+    held_out = read_conversations(corpora)
+    if manifest:
+        held_out.training_overlap = training_overlap(held_out, manifest)
+    return held_out
 
 
 def validate_calibration(args):
@@ -261,15 +335,17 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
                          "difficulty_tasks": (row.calibration or {}).get("difficulty_tasks")} for row in rows}
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     results = {"config": config, "positions": len(held_out.positions), "renderings": len(held_out.renderings),
-               "conversations": len({c.id for c, _, _ in held_out.renderings}),
-               "skipped_records": dict(held_out.skipped), **table, "counts": counts,
+               "conversations": len(held_out.conversation_ids),
+               "skipped_records": dict(held_out.skipped), "training_overlap": held_out.training_overlap,
+               **table, "counts": counts,
                "calibration": {row.name: row.calibration for row in rows if row.calibration is not None}}
     report.write_json(args.output / "results.json", results)
     report.write_csv(args.output / "table.csv", table, bool(calibration))
-    warning = report.floor_warning(counts, args.min_conversations)
-    if warning:
+    warnings = [w for w in (report.floor_warning(counts, args.min_conversations), overlap_warning(args, held_out))
+                if w]
+    for warning in warnings:
         print(warning, file=sys.stderr)
-    markdown = report.markdown(table, counts, bool(calibration), dict(held_out.skipped), warning)
+    markdown = report.markdown(table, counts, bool(calibration), dict(held_out.skipped), warnings)
     (args.output / "table.md").write_text(markdown)
     with open(args.output / "items.jsonl", "w") as items:
         for row in rows:
@@ -283,6 +359,13 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
     report.plot_lengths(args.output / "lengths.png", {row.name: row.observations for row in rows})
     report.plot_metrics(args.output / "metrics.png", table, bool(calibration))
     return markdown
+
+
+def overlap_warning(args, held_out) -> str | None:
+    if not held_out.training_overlap:
+        return None
+    return (f"warning: {held_out.training_overlap} of the {len(held_out.conversation_ids)} conversations scored are "
+            f"in the training split of --manifest {args.manifest}: the simulator was trained on them")
 
 
 def main(argv=None) -> int:

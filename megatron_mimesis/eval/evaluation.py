@@ -79,7 +79,7 @@ def add_likelihood(row: RowResult, simulator, held_out, seq_length: int) -> None
         return
     try:
         turns, row.overlong_turns = score_renderings(simulator.scorer, simulator.tokenizer_dir, held_out.renderings,
-                                                     seq_length, held_out.complete)
+                                                     seq_length)
     except LikelihoodUnavailable as err:
         row.likelihood_note = str(err)
         return

@@ -28,10 +28,9 @@ class TurnNLL:
     bytes: int  # UTF-8 bytes of the human's text
 
 
-def score_renderings(scorer, tokenizer_dir: str, renderings, seq_length: int,
-                     complete: bool) -> tuple[list[TurnNLL], int]:
+def score_renderings(scorer, tokenizer_dir: str, renderings, seq_length: int) -> tuple[list[TurnNLL], int]:
     """NLL of every human turn that fits ``seq_length``, and the count of those that do not (data_prep drops the
-    same ones from training as ``overlong_target_turns``). In ``complete`` conversations the human's last turn
+    same ones from training as ``overlong_target_turns``). In complete conversations the human's last turn
     is scored with the end marker training puts there (its bytes count with it).
 
     ``scorer(samples, targets)`` returns, per sample (a token list), the log-prob of ``sample[t]`` given
@@ -40,8 +39,9 @@ def score_renderings(scorer, tokenizer_dir: str, renderings, seq_length: int,
     chat = ChatTokens.from_encoder(encoder)
     samples, targets, owners = [], [], []
     overlong = 0
-    for conversation, roles, unit in renderings:
-        rendering = as_rendered(conversation, roles)
+    for one in renderings:
+        conversation, unit, complete = one.conversation, one.unit, one.complete
+        rendering = as_rendered(conversation, one.roles)
         encoded = encoder.encode_batch(texts_to_encode(rendering, False, "role", complete))
         stats = RenderStats()
         rendered = render(rendering, encoded, chat, seq_length, "role", False, stats, complete)

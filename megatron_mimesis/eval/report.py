@@ -60,7 +60,7 @@ def floor_warning(counts: dict, floor: int) -> str | None:
             f"larger --max-conversations)")
 
 
-def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict, warning: str | None) -> str:
+def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict, warnings: list[str]) -> str:
     rows = list(table["cells"])
     metrics = all_metrics(table, calibrated)
     lines = ["### Measured on", "", "| | conversations | positions | likelihood turns |", "|---|---:|---:|---:|"]
@@ -68,7 +68,7 @@ def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict,
               for row, c in counts.items()]
     lines += ["", "A conversation is one rendering of one held-out conversation (the bootstrap's unit; where both "
                   "speakers play the user, one per speaker); a position is a human turn the row answered.", ""]
-    if warning:  # floor_warning's
+    for warning in warnings:  # floor_warning's, the training overlap's
         lines += [warning, ""]
     for group, title in GROUP_TITLES.items():
         chosen = [m for m in metrics if m["group"] == group]
@@ -83,7 +83,7 @@ def markdown(table: dict, counts: dict, calibrated: bool, skipped_records: dict,
     notes = []
     if skipped_records:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(skipped_records.items()))
-        notes.append(f"- {sum(skipped_records.values())} bad records of the embedded corpus skipped ({reasons})")
+        notes.append(f"- {sum(skipped_records.values())} bad input records skipped ({reasons})")
     for row, count in counts.items():
         for what in ("generation_errors", "judge_errors"):
             if count.get(what):

@@ -18,7 +18,7 @@ from megatron_mimesis.checkpoint.serving import (
     make_servable,
     simulator_chat_template,
 )
-from megatron_mimesis.eval.heldout import read_conversations
+from megatron_mimesis.eval.heldout import input_corpora, read_conversations
 from megatron_mimesis.rl.chat import ChatRenderer, flip_roles
 from tests.rendering import prompt_of_last_turn, training_samples
 
@@ -38,9 +38,10 @@ def conversations():
     """The hand-written ones and 24 held-out chit-chat renderings, each cut after its last user turn. Content that
     starts with a newline, or spells a special token, tokenizes differently inside a rendered string: those are
     the documented exceptions and left out here."""
-    held_out = read_conversations([], valid_fraction=0.9, max_conversations=40)
+    held_out = read_conversations(input_corpora([], valid_fraction=0.9, max_conversations=40))
     found = list(HAND_WRITTEN)
-    for conversation, roles, _ in held_out.renderings[:24]:
+    for rendering in held_out.renderings[:24]:
+        conversation, roles = rendering.conversation, rendering.roles
         turns = [{"role": role, "content": turn.content} for role, turn in zip(roles, conversation.turns, strict=True)]
         users = [i for i, t in enumerate(turns) if t["role"] == "user"]
         if users and not any(t["content"].startswith("\n") or "<|" in t["content"] for t in turns):

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_mimesis.eval.cache import ResultCache
 from megatron_mimesis.eval.evaluation import HUMAN, add_judgements, label_humans, metric_table
-from megatron_mimesis.eval.heldout import read_conversations
+from megatron_mimesis.eval.heldout import input_corpora, read_conversations
 from megatron_mimesis.eval.judge import (
     DEFAULT_TAXONOMY,
     Judge,
@@ -42,7 +42,7 @@ def judge_reply(turing, labels=lambda message: ["asks_question"] if "?" in messa
 
 def judged_cells(server, tmp_path, taxonomy=None, simulators=None):
     simulators = simulators or (EchoSimulator(), AssistantSimulator())
-    held_out = read_conversations([str(tmp_path / "heldout.jsonl")])
+    held_out = read_conversations(input_corpora([str(tmp_path / "heldout.jsonl")]))
     rows, _ = table_of(list(simulators), held_out, tmp_path, n_boot=0)
     by_key = {p.key: p for p in held_out.positions}
     cache = ResultCache(tmp_path / "judge.jsonl")

@@ -17,7 +17,7 @@ from megatron_mimesis.eval.evaluation import (
     replies,
     simulator_observations,
 )
-from megatron_mimesis.eval.heldout import read_conversations
+from megatron_mimesis.eval.heldout import input_corpora, read_conversations
 from tests.eval.conftest import AssistantSimulator, EchoSimulator, FlakySimulator
 
 BEHAVIOUR = [m.name for m in M.BEHAVIOUR]
@@ -36,19 +36,19 @@ def table_of(simulators, held_out, tmp_path, n_boot=200):
 
 
 def test_positions_are_the_user_turns_with_their_context(heldout_file):
-    held_out = read_conversations([str(heldout_file)])
+    held_out = read_conversations(input_corpora([str(heldout_file)]))
     assert [p.key for p in held_out.positions] == ["c0/0/0", "c0/0/2", "c0/0/4", "c1/0/0", "c1/0/2", "c2/0/1",
                                                   "c2/0/3"]
     last = held_out.positions[2]
     assert last.human == "ok gotta run, talk later" and last.human_ended and last.last_assistant == "me neither, wild"
     assert [m["role"] for m in last.context] == ["user", "assistant", "user", "assistant"]
     assert held_out.positions[0].context == () and not held_out.positions[0].human_ended
-    both = read_conversations([str(heldout_file)], user_speaker="both")
+    both = read_conversations(input_corpora([str(heldout_file)], user_speaker="both"))
     assert len(both.renderings) == 6 and len(both.positions) == 7 + 6
 
 
 def test_echo_simulator_is_at_distance_zero_with_the_humans_statistics(heldout_file, tmp_path):
-    held_out = read_conversations([str(heldout_file)])
+    held_out = read_conversations(input_corpora([str(heldout_file)]))
     _, cells = table_of([EchoSimulator()], held_out, tmp_path)
     assert cells["echo"]["length_distance"]["value"] == 0.0
     for name in BEHAVIOUR:
@@ -64,7 +64,7 @@ def test_echo_simulator_is_at_distance_zero_with_the_humans_statistics(heldout_f
 
 
 def test_assistant_styled_simulator_is_far_on_every_llm_free_metric(heldout_file, tmp_path):
-    held_out = read_conversations([str(heldout_file)])
+    held_out = read_conversations(input_corpora([str(heldout_file)]))
     _, cells = table_of([AssistantSimulator()], held_out, tmp_path)
     human, sim = cells[HUMAN], cells["assistant"]
     far = {"length_distance": 20.0, "mean_words": 20.0, "question_rate": 0.4, "end_rate": 0.4, "distinct_1": 0.3,
@@ -89,7 +89,7 @@ def test_conversation_lengths_by_hand():
 
 
 def test_failed_generations_are_counted_and_left_out(heldout_file, tmp_path):
-    held_out = read_conversations([str(heldout_file)])
+    held_out = read_conversations(input_corpora([str(heldout_file)]))
     rows, cells = table_of([FlakySimulator()], held_out, tmp_path)
     flaky = rows[1]
     assert flaky.generation_errors == {"APIConnectionError": 3} and len(flaky.observations) == 4

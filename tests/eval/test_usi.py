@@ -6,7 +6,7 @@ import pytest
 from megatron_mimesis.eval import metrics as M
 from megatron_mimesis.eval import usi
 from megatron_mimesis.eval.calibration import difficulty_ece, task_difficulty, trial_difficulty_ece
-from megatron_mimesis.eval.heldout import read_conversations
+from megatron_mimesis.eval.heldout import input_corpora, read_conversations
 from tests.eval.conftest import AssistantSimulator, EchoSimulator
 from tests.eval.test_metrics import table_of
 
@@ -63,7 +63,7 @@ def test_the_difficulty_binned_ece_by_hand():
 
 
 def test_the_echo_simulator_scores_100_on_every_dimension(heldout_file, tmp_path):
-    held_out = read_conversations([str(heldout_file)])
+    held_out = read_conversations(input_corpora([str(heldout_file)]))
     _, cells = table_of([EchoSimulator(), AssistantSimulator()], held_out, tmp_path)
     dimensions = [m.name for m in M.USI]
     assert all(cells["echo"][d]["value"] == pytest.approx(100.0) for d in dimensions)
