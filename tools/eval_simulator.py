@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from transformers.utils import logging as hf_logging
 
 from data_prep.records import DOUBLE_TEXTING, FORMATS
 from data_prep.render import USER_SPEAKERS
+from megatron_mimesis.checkpoint.model_card import record_evaluation
 from megatron_mimesis.eval import report
 from megatron_mimesis.eval.agents import (
     AGENT_KINDS,
@@ -320,10 +322,17 @@ def run(args, specs, held_out, judge_endpoint, taxonomy, calibration) -> str:
     if calibration:
         calibrate_difficulty(rows, real)
     cache.close()
-    return write_outputs(args, rows, held_out, taxonomy if judge else None, bool(judge), calibration, records)
+    return write_outputs(args, specs, rows, held_out, taxonomy if judge else None, bool(judge), calibration, records)
 
 
-def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool, calibration, records) -> str:
+def inputs_described(args) -> str:
+    if args.manifest and not args.inputs:
+        return f"the held-out split of `{args.manifest}`"
+    return ", ".join(f"`{Path(i).name}`" for i in args.inputs) or "the embedded chit-chat corpus"
+
+
+def write_outputs(args, specs, rows: list[RowResult], held_out, taxonomy, judged: bool, calibration,
+                  records) -> str:
     table = metric_table(rows, taxonomy, judged, args.bootstrap, args.seed)
     counts = {row.name: {"conversations": len({o["unit"] for o in row.observations}),
                          "observations": len(row.observations), "likelihood_turns": len(row.likelihood),
@@ -356,6 +365,11 @@ def write_outputs(args, rows: list[RowResult], held_out, taxonomy, judged: bool,
                 items.write(json.dumps(item, ensure_ascii=False) + "\n")
         for record in records:
             items.write(json.dumps({"row": record["user"], "episode": record}, ensure_ascii=False, default=str) + "\n")
+    for spec in specs:  # an export of ours keeps its last evaluation in its model card
+        if spec.kind == "hf":
+            what = (f"`tools/eval_simulator.py`, {time.strftime('%Y-%m-%d')}: this export is the row `{spec.name}`; "
+                    f"{results['conversations']} held-out conversations of {inputs_described(args)}.")
+            record_evaluation(Path(spec.target), markdown, what)
     report.plot_lengths(args.output / "lengths.png", {row.name: row.observations for row in rows})
     report.plot_metrics(args.output / "metrics.png", table, bool(calibration))
     return markdown

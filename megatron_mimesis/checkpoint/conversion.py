@@ -23,6 +23,7 @@ from tqdm import tqdm
 from data_prep.tokenizer import ENDOFTEXT, TOKENIZER_FILES, copy_tokenizer
 from megatron_mimesis.checkpoint.hf_import import import_worker
 from megatron_mimesis.checkpoint.integrity import record_files
+from megatron_mimesis.checkpoint.model_card import write_card
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, DistCheckpointReader
 from megatron_mimesis.checkpoint.serving import make_servable, special_token_ids
 from megatron_mimesis.models.family import Preset
@@ -107,6 +108,7 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
         special = special_token_ids(tmp)
         _write_model_config(tmp, preset, ref_config, dtype, special)
         make_servable(tmp, reader.run_config, special)
+        write_card(tmp, out.name, reader.dir.resolve(), reader.run_config, preset, dtype)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
