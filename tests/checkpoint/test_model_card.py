@@ -9,6 +9,8 @@ from megatron_mimesis.checkpoint.conversion import export_to_hf, import_from_hf
 from megatron_mimesis.checkpoint.model_card import CARD, EVAL_BEGIN, NO_EVALUATION, card_text, record_evaluation
 from megatron_mimesis.models.presets import get_preset, preset_record
 from tests.checkpoints import small_checkpoint
+from tests.eval.conftest import write_conversations
+from tests.eval.test_cli import eval_simulator
 
 PRESET = get_preset("tiny")
 MIDTRAIN = {"stage": "midtrain", "lr": 3e-5, "lr_decay_style": "cosine", "global_batch_size": 4096,
@@ -69,6 +71,14 @@ def test_an_export_carries_its_card_and_an_evaluation_replaces_the_last_one(tiny
     text = (export / CARD).read_text()
     assert f"Starting weights: imported from the HF checkpoint `{tiny_hf_checkpoint}`." in text
     assert "exported as `Qwen3_5ForCausalLM` in bf16" in text
+
+    table = tmp_path / "eval" / "table.md"  # an evaluation of the export puts its table into the card
+    assert eval_simulator.main(["--simulator", f"sim=hf:{export}", "--input", str(write_conversations(tmp_path / "h.jsonl")),
+                                "--max-new-tokens", "2", "--bootstrap", "0", "--output", str(table.parent),
+                                "--no-progress"]) == 0
+    evaluated = (export / CARD).read_text()
+    assert table.read_text().strip() in evaluated and "this export is the row `sim`; 3 held-out conversations of " \
+        "`h.jsonl`" in evaluated and NO_EVALUATION not in evaluated
 
     assert record_evaluation(export, "| | NLL |\n|---|---:|\n| sim | 6.5 |\n", "first run")
     assert record_evaluation(export, "| | NLL |\n|---|---:|\n| sim | 6.1 |\n", "second run")
