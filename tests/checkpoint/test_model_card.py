@@ -54,7 +54,7 @@ def test_the_card_follows_every_stage_back_to_its_starting_weights(tiny_dataset,
                               "prompts x 8 rollouts per step, temperature 1, top-p 1; thinking on | prompts "
                               "`data/rl/soul.jsonl` | ")
     assert "Thinking is on by default (serve with `--reasoning-parser qwen3`" in text
-    assert "It ends the conversation by writing `<END>`" in text and "--end-marker '###STOP###'" in text
+    assert "It ends the conversation by writing `<END>`" in text and "mimesis-serve EXPORT --name mimesis-sim --end-marker '###STOP###'" in text
     assert "temperature 1, top-p 1, no top-k" in text
     assert f"{EVAL_BEGIN}\n{NO_EVALUATION}" in text
 

@@ -13,10 +13,13 @@ that model trained to leave. UserRL's gyms against the first, as their user and 
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -34,7 +37,7 @@ from tests.rl.envs.served_gyms import (  # noqa: F401 (collected here, with this
     test_telepathy_gym_is_judged_by_the_served_simulator_through_the_proxy,
 )
 from tests.training.conftest import VOCAB
-from tests.vllm_server import VLLMServer
+from tests.vllm_server import VLLMServer, cpu_server_flags
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -193,25 +196,62 @@ def leaving_export(tiny_dataset, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def relayed(leaving_export, tmp_path_factory):
-    """The trained export under ``vllm serve``, with the marker relay for tau2's convention in front of it."""
-    with VLLMServer(leaving_export, tmp_path_factory.mktemp("log") / "leaving.log",
-                    max_model_len=MAX_MODEL_LEN) as served:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        relay = subprocess.Popen([sys.executable, "-m", "megatron_mimesis.serving.marker_relay", "--upstream",
-                                  served.base_url, "--port", str(port), "--end-marker", "###STOP###"],
-                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
-        try:
-            assert relay.stdout.readline().startswith("marker relay: ")
-            yield served, f"http://127.0.0.1:{port}/v1"
-        finally:
-            relay.terminate()
-            relay.wait(timeout=30)
+    """The trained export served as a user serves it, ``mimesis-serve`` with tau2's end marker: vLLM and the marker
+    relay in front of it. Yields the vLLM server (what it says itself), the relay's URL and the client snippet
+    ``mimesis-serve`` printed; after SIGTERM the command exits 0 and no process of it is left."""
+    import psutil
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mimesis-serve")), str(leaving_export), "--name",
+                             "tiny", "--port", str(port), "--end-marker", "###STOP###", "--log", str(log), "--",
+                             *cpu_server_flags(MAX_MODEL_LEN)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert lines[1].startswith(f"serving 'tiny' at http://127.0.0.1:{port}/v1 (<END> -> ###STOP###"), \
+            (lines, proc.stderr.read()[-3000:] if proc.poll() is not None else "", log.read_text()[-3000:])
+        vllm_url = lines[0].split()[3]
+        snippet = "".join(iter(lambda: proc.stdout.readline(), "\n"))
+        family = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+        assert len(family) >= 3  # mimesis-serve, the keeper, vLLM (and its engine core)
+        yield SimpleNamespace(base_url=vllm_url), f"http://127.0.0.1:{port}/v1", snippet
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
+    alive = [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not alive, [psutil.Process(pid).cmdline() for pid in alive]
+
+
+def test_mimesis_serve_answers_openai_clients_streamed_and_not_with_the_marker_mapped(relayed):
+    """OpenAI's own client through ``mimesis-serve``: the snippet it prints runs as printed; a streamed request
+    hears the same reply as a whole one, tau2's marker in place of the trained one although the trained one comes
+    in several pieces."""
+    import openai
+
+    served, relay_url, snippet = relayed
+    ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]
+    client = openai.OpenAI(base_url=relay_url, api_key="EMPTY")
+    request = dict(model="tiny", max_tokens=12, temperature=0.0, messages=[
+        {"role": "system", "content": "You want a new task."}, {"role": "user", "content": "Hi! How can I help?"}])
+    whole = client.chat.completions.create(**request).choices[0].message.content
+    raw = _chat(served, request["messages"], max_tokens=12)["choices"][0]["message"]["content"]
+    assert raw.endswith("<END>") and whole == raw.replace("<END>", "###STOP###")
+    pieces = [chunk.choices[0].delta.content for chunk in client.chat.completions.create(**request, stream=True)
+              if chunk.choices and chunk.choices[0].delta.content]
+    assert "".join(pieces) == whole and not any("<END>" in piece for piece in pieces)
+    served_pieces = [c.choices[0].delta.content for c in openai.OpenAI(base_url=served.base_url, api_key="EMPTY")
+                     .chat.completions.create(**request, stream=True) if c.choices and c.choices[0].delta.content]
+    assert "".join(served_pieces) == raw
+    print(f"MEASURED streamed: vLLM's pieces {served_pieces}, through the relay {pieces}")
 
 
 def test_a_simulator_trained_to_leave_ends_a_tau2_episode_through_the_relay(relayed, tmp_path):
-    served, relay_url = relayed
+    served, relay_url, _ = relayed
     episode = _tau2_episode(relay_url, tmp_path / "episode.json")
     assert episode["termination_reason"] == "user_stop"
     last = episode["messages"][-1]
@@ -226,3 +266,28 @@ def test_a_simulator_trained_to_leave_ends_a_tau2_episode_through_the_relay(rela
         user = OpenAIUserModel(base_url, "tiny", stop_marker=stop_marker, max_tokens=12, temperature=0.0)
         (reply,) = user.reply_many(["You want a new task."], [[{"role": "assistant", "content": "Hi! How can I help?"}]])
         assert reply.done and reply.error is None and stop_marker not in reply.utterance, (stop_marker, reply)
+
+
+def test_a_hard_kill_of_mimesis_serve_leaves_no_server_behind(export, tmp_path):
+    """kill -9 of ``mimesis-serve`` while vLLM loads: its keeper stops vLLM and everything vLLM started."""
+    import time
+
+    import psutil
+
+    from megatron_mimesis.pipeline.processes import SERVER_GRACE_S, free_port
+
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mimesis-serve")), str(export), "--name", "tiny",
+                             "--port", str(free_port()), "--log", str(tmp_path / "serve.log"), "--",
+                             *cpu_server_flags()], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.readline().startswith("starting vLLM at ")
+    deadline = time.monotonic() + 120
+    family: list[psutil.Process] = []
+    while not any("vllm.entrypoints" in " ".join(p.cmdline()) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+    assert family, "vLLM never started"
+    proc.kill()
+    proc.wait(timeout=10)
+    gone, alive = psutil.wait_procs(family, timeout=SERVER_GRACE_S + 30)
+    assert not alive, [p.cmdline() for p in alive]

@@ -110,6 +110,7 @@ class FakeOpenAIServer:
         self.complete = complete
         self.encode = encode
         self.id_fields = {"return_token_ids", "return_tokens_as_token_ids"}
+        self.stream_piece = 2  # characters per streamed event: a marker arrives in pieces
         self.requests: list[dict] = []
         self.failures: list[int] = []
         self.broken = False
@@ -196,7 +197,31 @@ class FakeOpenAIServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if fake.api_key and self.headers.get("Authorization") != f"Bearer {fake.api_key}":
                     return self._send(401, {"error": {"message": "invalid api key", "type": "invalid_request_error"}})
-                self._send(*(routes[self.path](body) if self.path in routes else (404, {})))
+                status, payload = routes[self.path](body) if self.path in routes else (404, {})
+                if body.get("stream") and status == 200:
+                    return self._send_events(self.path, payload)
+                self._send(status, payload)
+
+            def _send_events(self, path, payload):
+                """The answer as vLLM streams it: server-sent events of ``fake.stream_piece`` characters each, the
+                finish_reason on an event of its own, then ``[DONE]``; the connection closes at the end."""
+                choice = payload["choices"][0]
+                chat = path.endswith("/chat/completions")
+                text = choice["message"]["content"] if chat else choice["text"]
+                pieces = [text[i:i + fake.stream_piece] for i in range(0, len(text), fake.stream_piece)]
+                events = [{"delta": {"role": "assistant", "content": ""}}] if chat else []
+                events += [{"delta": {"content": piece}} if chat else {"text": piece} for piece in pieces]
+                events.append({"delta": {}, "finish_reason": choice["finish_reason"]} if chat
+                              else {"text": "", "finish_reason": choice["finish_reason"]})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                self.end_headers()
+                self.close_connection = True
+                for event in events:
+                    chunk = {"id": payload["id"], "object": payload["object"] + ".chunk", "created": 0,
+                             "model": payload["model"], "choices": [{"index": 0, "finish_reason": None, **event}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
 
             def _send(self, status, payload):
                 data = json.dumps(payload).encode()

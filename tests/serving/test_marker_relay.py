@@ -45,6 +45,24 @@ class Relay:
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read())
 
+    def stream(self, path: str, body: dict) -> tuple[list[str], str]:
+        """The non-empty text pieces of a streamed request (server-sent events until ``[DONE]``) and its
+        finish_reason."""
+        request = urllib.request.Request(f"{self.base_url}{path}", data=json.dumps({**body, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        pieces, finish = [], None
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.headers["Content-Type"].startswith("text/event-stream")
+            lines = [line.decode().strip() for line in answer if line.strip()]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+            text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+            if text:
+                pieces.append(text)
+            finish = choice["finish_reason"] or finish
+        return pieces, finish
+
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=10)
@@ -75,9 +93,14 @@ def test_each_client_hears_its_own_end_marker_and_the_rest_passes_untouched(upst
         user = OpenAIUserModel(relay.base_url, "m", stop_marker="###STOP###", max_retries=0)
         (reply,) = user.reply_many(["You want a refund."], [[{"role": "assistant", "content": "Hello!"}]])
         assert reply.done and reply.utterance == "fine, thanks" and reply.error is None
-        # a streamed request is refused, the server's own error comes back with its status
-        status, answer = relay.post("/chat/completions", {**chat, "stream": True})
-        assert status == 400 and "without stream" in answer["error"]["message"]
+        # a streamed request hears the same text, the marker rewritten though it arrives two characters at a time
+        for path, body, text in (("/chat/completions", chat, "fine, thanks ###STOP###"),
+                                 ("/completions", {"model": "m", "prompt": "x", "end_marker": "[DONE]"}, "bye [DONE]")):
+            pieces, finish = relay.stream(path, body)
+            assert "".join(pieces) == text and finish == "stop" and len(pieces) >= 3, pieces
+            assert not any(set(piece) & set("<>") for piece in pieces)  # nothing of the trained marker leaks
+        upstream.stream_piece = 100  # the whole marker in one event
+        assert relay.stream("/chat/completions", chat)[0] == ["fine, thanks ###STOP###"]
         upstream.failures.append(503)
         status, answer = relay.post("/chat/completions", chat)
         assert status == 503 and answer["error"]["message"] == "scripted failure"
