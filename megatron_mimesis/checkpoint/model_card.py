@@ -6,8 +6,9 @@ weights, read from each checkpoint's ``run_config.json`` through its ``load``, w
 to talk to it (a simulator's reversed roles, its end marker and the relay that rewrites it, its sampling), and how
 it measured where it was evaluated. Nothing in it is typed by hand: a fact the records do not hold is left out.
 
-``tools/eval_simulator.py`` writes its table into the card of an ``hf:`` export it evaluates (the section between
-:data:`EVAL_BEGIN` and :data:`EVAL_END`), so the card shows the last evaluation run on the export itself.
+``tools/eval_simulator.py`` writes its table into the card of an ``hf:`` simulator export it evaluates (the section
+between :data:`EVAL_BEGIN` and :data:`EVAL_END`), so the card shows the last evaluation run on the export itself. An
+agent's card has no such section: ``tools/eval_agent.py`` plays agents through servers, not export directories.
 """
 
 import json
@@ -65,16 +66,19 @@ def _data(train: dict) -> str:
     if train.get("prompts"):
         return "prompts " + ", ".join(f"`{p}`" for p in train["prompts"])
     if train.get("env"):
-        return f"env `{train['env']}`"
+        gyms = (train.get("env_options") or {}).get("gyms")
+        return f"env `{train['env']}`" + (f" ({', '.join(gyms)})" if gyms else "")
     return ""
 
 
 def _settings(train: dict) -> str:
-    parts = [f"lr {train['lr']:g} {train.get('lr_decay_style', '')}".strip(),
-             f"global batch {train['global_batch_size']} x {train['seq_length']} tokens"]
-    if train.get("rollouts_per_prompt"):
-        parts.append(f"{train['prompts_per_step']} prompts x {train['rollouts_per_prompt']} rollouts per step, "
+    parts = [f"lr {train['lr']:g} {train.get('lr_decay_style', '')}".strip()]
+    if train.get("rollouts_per_prompt"):  # RL: simulator RL draws prompts, agent RL tasks
+        unit = "tasks" if "tasks_per_step" in train else "prompts"
+        parts.append(f"{train.get(unit + '_per_step')} {unit} x {train['rollouts_per_prompt']} rollouts per step, "
                      f"temperature {train['temperature']:g}, top-p {train['top_p']:g}")
+    else:
+        parts.append(f"global batch {train['global_batch_size']} x {train['seq_length']} tokens")
     if train.get("thinking") or train.get("stage") == "sft":
         parts.append("thinking on")
     return "; ".join(parts)
@@ -136,6 +140,7 @@ def card_text(name: str, checkpoint: Path, run_config: dict, preset: Preset, dty
         lines += ["## Using it as an agent", "",
                   f"It is served with the tokenizer's own chat template; its tool calls are in the `{parser}` format "
                   f"(`vllm serve EXPORT --enable-auto-tool-choice --tool-call-parser {parser}`).", ""]
+        return "\n".join(header + lines)
     lines += ["## Evaluation", "", EVAL_BEGIN, NO_EVALUATION, EVAL_END, ""]
     return "\n".join(header + lines)
 

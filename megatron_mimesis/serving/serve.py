@@ -29,7 +29,6 @@ from megatron_mimesis.serving.marker_relay import MarkerRelay
 REASONING_PARSER = "qwen3"  # vLLM's parser of Qwen's <think> blocks, which the simulator's template writes
 SNIPPET = '''\
 from openai import OpenAI
-
 client = OpenAI(base_url="{url}", api_key="EMPTY")
 reply = client.chat.completions.create(model="{model}", temperature=1.0, max_tokens=64, messages=[
     {{"role": "system", "content": "You are a customer who wants to move a flight to Friday."}},

@@ -19,6 +19,10 @@ RL = {"stage": "rl_simulator", "lr": 1e-6, "lr_decay_style": "constant", "global
       "train_iters": 100, "prompts": ["data/rl/soul.jsonl"], "prompts_per_step": 64, "rollouts_per_prompt": 8,
       "temperature": 1.0, "top_p": 1.0, "thinking": True}
 
+AGENT = {"stage": "rl_agent", "lr": 1e-6, "lr_decay_style": "constant", "global_batch_size": 512, "seq_length": 32768,
+         "train_iters": 180, "env": "userrl", "env_options": {"gyms": {"TauGym": {}, "FunctionGym": {}}},
+         "tasks_per_step": 64, "rollouts_per_prompt": 8, "temperature": 1.0, "top_p": 1.0, "thinking": False}
+
 
 def _stage(root, iteration, run_config):
     directory = small_checkpoint(root, iteration)
@@ -50,17 +54,19 @@ def test_the_card_follows_every_stage_back_to_its_starting_weights(tiny_dataset,
     assert manifest["skipped"] == {}  # the first 300 conversations of the corpus hold none of its bad records
     assert (f"(chitchat: {manifest['conversations']:,} conversations, {manifest['tokens']['train']:,} training "
             "tokens)") in rows[0]
-    assert rows[1].startswith("| rl_simulator | 60 of 100 | lr 1e-06 constant; global batch 512 x 8192 tokens; 64 "
-                              "prompts x 8 rollouts per step, temperature 1, top-p 1; thinking on | prompts "
-                              "`data/rl/soul.jsonl` | ")
+    assert rows[1].startswith("| rl_simulator | 60 of 100 | lr 1e-06 constant; 64 prompts x 8 rollouts per step, "
+                              "temperature 1, top-p 1; thinking on | prompts `data/rl/soul.jsonl` | ")
     assert "Thinking is on by default (serve with `--reasoning-parser qwen3`" in text
     assert "It ends the conversation by writing `<END>`" in text and "mimesis-serve EXPORT --name mimesis-sim --end-marker '###STOP###'" in text
     assert "temperature 1, top-p 1, no top-k" in text
     assert f"{EVAL_BEGIN}\n{NO_EVALUATION}" in text
 
-    agent_config = {**record, "train": {**RL, "stage": "rl_agent", "load": str(midtrain.parent)}}
+    agent_config = {**record, "train": {**AGENT, "load": str(midtrain.parent)}}
     agent = card_text("agent", _stage(tmp_path / "agent", 30, agent_config), agent_config, PRESET, "bf16")
     assert "- agent" in agent and "user simulator" not in agent and "--tool-call-parser qwen3_coder" in agent
+    assert EVAL_BEGIN not in agent
+    assert ("| rl_agent | 30 of 180 | lr 1e-06 constant; 64 tasks x 8 rollouts per step, temperature 1, top-p 1 | "
+            "env `userrl` (TauGym, FunctionGym) | ") in agent
 
 
 def test_an_export_carries_its_card_and_an_evaluation_replaces_the_last_one(tiny_hf_checkpoint, tiny_dataset,

@@ -214,14 +214,46 @@ def test_rl_simulator_slurm_dry_run_has_the_paper_layout(fake):
     check_vllm_config(SimulatorRLConfig(**config))  # the layout the vLLM engine accepts
 
 
-def test_rl_agent_slurm_dry_run_has_the_paper_settings(fake):
+USERRL_CONFIG = "launch/configs/rl_agent_userrl_qwen3_8b.yaml"
+TAU2_CONFIG = "launch/configs/rl_agent_qwen3_8b.yaml"
+
+
+def test_rl_agent_slurm_default_is_the_papers_stage_two_on_userrl_gyms(fake):
+    """What the paper ran (docs/stage2.md): Qwen3-8B on UserRL's gyms with its update protocol. Two of its five
+    training gyms have no data in this copy of UserRL: the default is refused naming that, and runs on the three
+    others."""
+    import yaml
+
     tmp_path, env = fake
     hf = released_hf_config(tmp_path / "qwen3-8b", "qwen3-8b")  # the paper's agent
     args = ["--dry-run", "--pretrained-hf", str(hf), "--tokenizer", str(hf)]
-    result = run("rl_agent.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"})
+    job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"}
+    refused = run("rl_agent.sh", args, job)
+    assert refused.returncode == 2 and after_config_line(refused, "rl_agent", USERRL_CONFIG, PAPER_RUN)
+    assert refused.stderr.startswith("error: env_options: TravelGym: its tasks do not load"), refused.stderr
+    options = yaml.safe_load((REPO / USERRL_CONFIG).read_text())["env_options"]
+    options["gyms"] = {name: gym for name, gym in options["gyms"].items() if name not in ("TravelGym", "PersuadeGym")}
+    result = run("rl_agent.sh", [*args, "--env-options", json.dumps(options)], job)
     assert result.returncode == 0, result.stderr
     assert "--nnodes 2 --nproc-per-node 8" in result.stdout
-    assert "-m megatron_mimesis.rl.agent_rl --config launch/configs/rl_agent_qwen3_8b.yaml" in result.stdout
+    resolved = trainer_json(after_config_line(result, "rl_agent", USERRL_CONFIG, PAPER_RUN))
+    assert resolved["world_size"] == 16 and resolved["data_parallel_size"] == 4
+    config = resolved["config"]
+    assert (config["model"], config["env"], config["rollouts_per_prompt"], resolved["rollouts_per_step"]) == (
+        "qwen3-8b", "userrl", 8, 64 * 8)
+    assert (config["optimizer_steps_per_batch"], config["advantage"], config["gamma"], config["max_agent_turns"]) == (
+        8, "turn_credit", 0.8, 16)
+    assert (config["csd_alpha"], config["csd_beta"], config["lr"], config["engine"]) == (0.01, 5.0, 1e-6, "vllm")
+
+
+def test_rl_agent_slurm_dry_run_on_tau2_has_the_paper_settings(fake):
+    tmp_path, env = fake
+    hf = released_hf_config(tmp_path / "qwen3-8b", "qwen3-8b")  # the paper's agent
+    args = ["--dry-run", "--pretrained-hf", str(hf), "--tokenizer", str(hf)]
+    result = run("rl_agent.sh", args, {**slurm_env(env, tmp_path), "SLURM_NNODES": "2", "CONFIG": TAU2_CONFIG})
+    assert result.returncode == 0, result.stderr
+    assert "--nnodes 2 --nproc-per-node 8" in result.stdout
+    assert f"-m megatron_mimesis.rl.agent_rl --config {TAU2_CONFIG}" in result.stdout
     resolved = trainer_json(result.stdout)
     assert resolved["world_size"] == 16 and resolved["data_parallel_size"] == 4
     config = resolved["config"]
@@ -341,14 +373,14 @@ def test_slurm_launch_asks_every_endpoint_before_srun_and_refuses_a_placeholder(
     every coach request failing."""
     tmp_path, env = fake
     hf = released_hf_config(tmp_path / "qwen3-8b", "qwen3-8b")
-    job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2"}
+    job = {**slurm_env(env, tmp_path), "SLURM_NNODES": "2", "CONFIG": TAU2_CONFIG}
     args = ["--pretrained-hf", str(hf), "--tokenizer", str(hf)]
     with FakeOpenAIServer(models=["mimesis-sim"]) as simulator:
         refusals = []
         for user in ({}, {"base_url": simulator.base_url, "model": "mimesis-sim"}):
             result = run("rl_agent.sh", [*args, "--user-model-options", json.dumps(user)] if user else args, job)
             assert result.returncode == 2, result.stderr
-            assert after_config_line(result, "rl_agent", "launch/configs/rl_agent_qwen3_8b.yaml", PAPER_RUN) == ""
+            assert after_config_line(result, "rl_agent", TAU2_CONFIG) == ""
             refusals += result.stderr.splitlines()
     assert len(refusals) == 2, refusals
     assert re.fullmatch(r"error: user_model_options: http://SIMULATOR_HOST:8000/v1/models did not answer \(.+\); "
