@@ -50,7 +50,7 @@ setup(
             "mimesis-eval-simulator = megatron_mimesis.tools.eval_simulator:main",
             "mimesis-bench-convert = megatron_mimesis.tools.bench_convert:main",
             "mimesis-plan = megatron_mimesis.tools.plan:main",
-            "mimesis-serve = megatron_mimesis.serving.serve:main",
+            "mimesis-serve = megatron_mimesis.tools.serve_simulator:main",
         ]
     },
     extras_require={

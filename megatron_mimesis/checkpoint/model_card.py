@@ -18,7 +18,7 @@ from pathlib import Path
 from data_prep.render import END_MARKER
 from megatron_mimesis.checkpoint.integrity import RUN_CONFIG, CheckpointError
 from megatron_mimesis.checkpoint.serving import plays_the_user, recipe_sampling, trained_with_thinking
-from megatron_mimesis.models.family import Preset
+from megatron_mimesis.models.family import Preset, parameter_count
 
 CARD = "README.md"
 EVAL_BEGIN, EVAL_END = "<!-- evaluation -->", "<!-- end evaluation -->"
@@ -85,8 +85,6 @@ def _settings(train: dict) -> str:
 
 
 def _size(preset: Preset) -> str:
-    from megatron_mimesis.training.flops import parameter_count
-
     return (f"{parameter_count(preset) / 1e6:,.1f}M parameters: {preset.num_layers} layers, hidden "
             f"{preset.hidden_size}, vocabulary {preset.vocab_size:,}")
 

@@ -143,6 +143,12 @@ class ModelFamily(ABC):
         return FLOPS_PER_MAC * self.matmul_params(preset) + self.sequence_flops_per_token(preset, seq_length)
 
 
+def parameter_count(preset: Preset) -> int:
+    """Trained parameters, up to norms and biases (<0.1%): the matmul weights plus an untied input embedding."""
+    return preset.family.matmul_params(preset) + (0 if preset.tie_word_embeddings else
+                                                  preset.hidden_size * preset.vocab_size)
+
+
 def mlp_params(p: Preset) -> int:
     """SwiGLU: gate, up and down projections."""
     return 3 * p.hidden_size * p.ffn_hidden_size

@@ -57,12 +57,6 @@ def peak_for_mfu(device_name: str | None, say) -> float | None:
     return peak
 
 
-def parameter_count(preset: Preset) -> int:
-    """Trained parameters, up to norms and biases (<0.1%): the matmul weights plus an untied input embedding."""
-    return preset.family.matmul_params(preset) + (0 if preset.tie_word_embeddings else
-                                                  preset.hidden_size * preset.vocab_size)
-
-
 def model_flops_per_token(preset: Preset, seq_length: float) -> float:
     """Forward FLOPs per token when attention spans ``seq_length`` tokens: a row's length for one document per row,
     the attended length sum L^2 / sum L for packed documents."""

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_mimesis.serving.serve", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "tools/serve_simulator.py", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
 

