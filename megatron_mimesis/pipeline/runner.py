@@ -38,6 +38,15 @@ def catch_signals_early() -> None:
         signal.signal(signum, lambda signum, _frame: _early.append(signum))
 
 
+def ignore_late_warnings() -> None:
+    """Once the pipeline's work is done, SLURM's pre-timeout warning (SIGUSR1) has nothing left to stop. Python's
+    finalization puts back the default action of every signal it handles, and the default action of SIGUSR1 is to
+    die: a warning that came while the process exited ended a finished stage's job FAILED (measured: a job whose
+    warning fell 0.8 s after its stage was done), and SLURM cancelled the jobs after it. An ignored signal stays
+    ignored through finalization."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def say(line: str) -> None:
     print(line, flush=True)
 
@@ -324,4 +333,5 @@ class Runner:
         text = summary.write(self.resolution, time.monotonic() - started if pending and not only else None)
         if not only:
             say(text)
+        ignore_late_warnings()
         return status

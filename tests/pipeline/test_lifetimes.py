@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -116,3 +118,19 @@ def test_a_signal_while_the_server_starts_stops_the_pipeline_before_the_stage_th
         assert not run.wait_gone(GONE_S), run.processes()
     finally:
         run.kill_leftovers()
+
+
+@pytest.mark.parametrize("done", [False, True])
+def test_a_pre_timeout_warning_after_the_work_is_done_does_not_fail_the_job(done):
+    """SLURM's SIGUSR1 that comes while a finished stage job's Python exits: Python's finalization had put back the
+    default action of the pipeline's handled signals, SIGUSR1's is to die, and SLURM counted the job FAILED. Here the
+    process replaces itself with a shell that signals itself, which is where a Python-level handler is gone as at
+    finalization: the signal kills it, unless the Runner finished (``ignore_late_warnings``), whose ignored
+    disposition outlives Python's handlers."""
+    code = ("import os\n"
+            "from megatron_mimesis.pipeline.runner import catch_signals_early, ignore_late_warnings\n"
+            "catch_signals_early()\n"
+            + ("ignore_late_warnings()\n" if done else "")
+            + "os.execv('/bin/sh', ['sh', '-c', 'kill -USR1 $$; exit 0'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == (0 if done else -signal.SIGUSR1), proc.stderr

@@ -71,7 +71,9 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
     # trains (once: restarted, the server has more time left than agent RL)
     stages["simulator_server"] = {"slurm": {"time": "00:25:00"}}
     stages["agent_rl"] = {"slurm": {"nodes": 2, "time": "00:25:00"}}
-    stages["agent_eval"] = {**stages["agent_eval"], "slurm": {"time": "00:16:00"}}  # past its file's 900 s warning
+    # past its file's 900 s warning, which then comes 5 min after the job starts (at 16 min it came at 60 s, while a
+    # loaded machine's job was still exiting)
+    stages["agent_eval"] = {**stages["agent_eval"], "slurm": {"time": "00:20:00"}}
     definition = small_definition(tmp_path / "chain.yaml", stages, FEW, slurm={"gpus_per_node": 0})
     run_dir = tmp_path / "run"
     stale = _plant_a_stale_server_record(definition, run_dir)
