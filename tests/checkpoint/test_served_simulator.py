@@ -14,7 +14,6 @@ that model trained to leave. UserRL's gyms against the first, as their user and 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -201,9 +200,9 @@ def relayed(leaving_export, tmp_path_factory):
     ``mimesis-serve`` printed; after SIGTERM the command exits 0 and no process of it is left."""
     import psutil
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from megatron_mimesis.pipeline.processes import free_port
+
+    port = free_port()
     log = tmp_path_factory.mktemp("log") / "serve.log"
     proc = subprocess.Popen([str(Path(sys.executable).with_name("mimesis-serve")), str(leaving_export), "--name",
                              "tiny", "--port", str(port), "--end-marker", "###STOP###", "--log", str(log), "--",

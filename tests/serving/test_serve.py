@@ -2,13 +2,14 @@
 relay's port free again. Serving a real export (OpenAI's client streamed and not, tau2, SIGTERM) and a hard kill are
 in ``tests/checkpoint/test_served_simulator.py``, where vLLM runs."""
 
-import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from megatron_mimesis.checkpoint.serving import TEMPLATE_FILE, simulator_chat_template
+from megatron_mimesis.models.presets import get_preset
+from megatron_mimesis.pipeline.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,18 +19,13 @@ def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_what_is_not_a_simulator_export_is_refused_in_one_line(tmp_path):
     refused = _serve(tmp_path)
     assert refused.returncode == 1 and refused.stderr.strip() == (
         f"error: {tmp_path}: not an exported checkpoint (no config.json; make one with tools/convert_checkpoint.py "
         "export)")
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    preset = get_preset("qwen3-tiny")
+    preset.family.hf_config(preset).save_pretrained(tmp_path)  # an agent export's config: no simulator template
     refused = _serve(tmp_path)
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
     assert f"{tmp_path}: not a user-simulator export" in refused.stderr and "vllm serve EXPORT" in refused.stderr
@@ -40,9 +36,10 @@ def test_a_server_that_dies_while_loading_is_one_line_with_its_log_and_frees_the
     that fails while loading."""
     export = tmp_path / "sim"
     export.mkdir()
-    (export / "config.json").write_text("{}")
+    preset = get_preset("tiny")
+    preset.family.hf_config(preset).save_pretrained(export)  # the config of an export, without its weights
     (export / TEMPLATE_FILE).write_text(simulator_chat_template(thinking=True))
-    port, log = _free_port(), tmp_path / "vllm.log"
+    port, log = free_port(), tmp_path / "vllm.log"
     failed = _serve(export, "--port", port, "--log", log)
     assert failed.returncode == 1, failed.stderr
     first = failed.stderr.splitlines()[0]

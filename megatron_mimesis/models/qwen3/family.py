@@ -25,7 +25,8 @@ class Qwen3Family(ModelFamily):
     measured_eagerly = ""
     # Qwen3's template: tool calls as one JSON object per <tool_call> (vLLM's hermes parser), <tool_response> blocks
     # in a user turn, the model opens <think> itself; earlier thoughts are stripped except in the current tool chain
-    chat = ChatFormat(tool_call_parser="hermes", opens_think_in_prompt=False, own_template=True)
+    chat = ChatFormat(tool_call_parser="hermes", opens_think_in_prompt=False, own_template=True,
+                      reasoning_parser="qwen3")
 
     # ------------------------------------------------------------------ HF
     def hf_config(self, preset: Qwen3Preset, **extra):

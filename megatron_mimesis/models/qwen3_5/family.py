@@ -32,7 +32,8 @@ class Qwen35Family(ModelFamily):
     measured_eagerly = "megatron's torch.compile'd GDN and output-gate helpers"
     # Qwen3.5's template writes tool calls in Qwen3-Coder's XML and opens <think> in the generation prompt; agent
     # contexts are rendered piece by piece in the ChatML layout the training data has (``rl/chat.py``)
-    chat = ChatFormat(tool_call_parser="qwen3_coder", opens_think_in_prompt=True, own_template=False)
+    chat = ChatFormat(tool_call_parser="qwen3_coder", opens_think_in_prompt=True, own_template=False,
+                      reasoning_parser="qwen3")
 
     # ------------------------------------------------------------------ HF
     def hf_config(self, preset: Qwen35Preset, **extra):
