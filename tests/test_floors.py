@@ -1,18 +1,20 @@
-"""The README's floors are the code's: each package of megatron_mimesis imports only from the floors before its own
-(the order is read from the README's "Floors" line, so the document and this check cannot drift apart)."""
+"""The documented floors are the code's: each package of megatron_mimesis imports only from the floors before its
+own (the order is read from the "Floors" line of docs/development.md, so the document and this check cannot drift
+apart)."""
 
 import ast
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "development.md"
 PACKAGE = REPO / "megatron_mimesis"
 
 
 def floors() -> list[str]:
-    line = re.search(r"^Floors, each importing only from those before it: (.+?)\.$", (REPO / "README.md").read_text(),
+    line = re.search(r"^Floors, each importing only from those before it: (.+?)\.$", DOC.read_text(),
                      re.MULTILINE | re.DOTALL)
-    assert line, "README.md has no 'Floors, each importing only from those before it: ...' line"
+    assert line, f"{DOC} has no 'Floors, each importing only from those before it: ...' line"
     return [name.strip() for name in re.split(r"->|/", " ".join(line.group(1).split())) if name.strip() != "tools"]
 
 
@@ -34,7 +36,7 @@ def test_no_package_imports_a_floor_above_its_own():
     order = floors()
     assert order[:3] == ["compat", "models", "checkpoint"] and "rl" in order, order
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert set(packages) <= set(order), f"packages without a floor in the README: {set(packages) - set(order)}"
+    assert set(packages) <= set(order), f"packages without a floor in docs/development.md: {set(packages) - set(order)}"
     upward = []
     for package in packages:
         for path in sorted((PACKAGE / package).rglob("*.py")):

@@ -102,10 +102,11 @@ def test_slurm_launch_refuses_a_config_whose_stop_save_outlasts_the_jobs_shutdow
     assert line == ("error: SHUTDOWN_TIMEOUT 780 s is less than the 840 s this run needs to stop and save on SLURM's "
                     "pre-timeout signal (its longest phase and two checkpoint writes: training/lead_times.py): submit "
                     "with SHUTDOWN_TIMEOUT=840 sbatch --signal=B:USR1@960 ..."), line
-    # the file's header and the README say to submit it so: then the lead is accepted (the next check is the endpoints')
+    # the file's header and docs/cluster.md say to submit it so: then the lead is accepted (the next check is the
+    # endpoints')
     submit = "CONFIG=launch/configs/rl_agent_9b.yaml SHUTDOWN_TIMEOUT=840 sbatch --signal=B:USR1@960"
     assert submit in (REPO / "launch" / "slurm" / "rl_agent.sbatch").read_text()
-    assert submit in " ".join((REPO / "README.md").read_text().split())
+    assert submit in " ".join((REPO / "docs" / "cluster.md").read_text().split())
     result = run("rl_agent.sh", ["--pretrained-hf", str(hf), "--tokenizer", str(hf)],
                  {**job, "SHUTDOWN_TIMEOUT": "840", "CONFIG": "launch/configs/rl_agent_9b.yaml"})
     assert result.returncode == 2 and result.stderr.startswith("error: user_model_options: "), result.stderr

@@ -1,6 +1,6 @@
 """``python tools/bench_convert.py`` in its smallest form (the tiny preset, one depth): it runs the conversion CLIs,
 prints their wall time and peak RSS per GiB of checkpoint with the round trip's verdict, and writes its JSON under
-``runs/``. The 4B / 9B runs themselves are benchmarks, not tests (README, Development)."""
+``runs/``. The 4B / 9B runs themselves are benchmarks, not tests (docs/development.md, Benchmarks)."""
 
 import json
 import subprocess
