@@ -6,6 +6,7 @@ whose figure a tool of the project computes (:data:`DERIVED`) must be that tool'
 the layout or the optimizer that moves it fails here until every quote follows. Measured figures (a build's minutes,
 an environment's size) have no tool to ask: their quotes must agree with each other."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"(~?[\d.,]+)<!--fig:([a-z0-9_.]+)-->")
 QUOTING = ("README.md", "docs/**/*.md", "launch/**/*.yaml", "launch/**/*.sh", "launch/**/*.sbatch")
 PAPER_MFU = 0.122  # the paper's 4.8 days for 9.51B tokens on 32 A100s (docs/layouts.md)
+PAPER_TOKENS, PAPER_GPUS = 9.51e9, 32  # the paper's mid-training: seen tokens, 4 nodes x 8 A100
 
 
 def quotes(files) -> dict[str, set[str]]:
@@ -29,32 +31,62 @@ def quotes(files) -> dict[str, set[str]]:
     return dict(found)
 
 
-def _plan_checkpoint_gib(config: str) -> str:
+@functools.cache
+def _plan(config: str) -> dict[str, float]:
+    """The figures of ``mimesis-plan``'s table for ``config``, by row name."""
     out = subprocess.run([sys.executable, "tools/plan.py", "--config", config], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    (gib,) = re.findall(r"^checkpoint \(weights[^)]*\)\s+([\d.]+)", out.stdout, re.MULTILINE)
-    return f"{float(gib):.1f}"
+    return {name.strip(): float(value) for name, value in
+            re.findall(r"^(checkpoint.*?)\s{2,}([\d.]+)(?: s)?\s+(?:exact|planned)", out.stdout, re.MULTILINE)}
 
 
-def _midtrain_step_s(mfu: float) -> str:
-    """A 9B mid-training step at ``mfu`` on the paper's 32 A100s, from the FLOPs the trainer's MFU counts."""
+def _plan_row(config: str, row: str, digits: int) -> str:
+    (value,) = [v for name, v in _plan(config).items() if name.startswith(row)]
+    return f"{value:.{digits}f}"
+
+
+def _midtrain(config: str) -> tuple[int, float]:
+    """Tokens per step and training FLOPs per step of a mid-training config."""
     import yaml
 
     from megatron_mimesis.models.presets import get_preset
-    from megatron_mimesis.training.flops import PEAK_BF16_FLOPS, train_flops_per_token
+    from megatron_mimesis.training.flops import train_flops_per_token
 
-    config = yaml.safe_load((REPO / "launch/configs/midtrain_9b.yaml").read_text())
+    config = yaml.safe_load((REPO / config).read_text())
     tokens = config["global_batch_size"] * config["seq_length"]
-    flops = train_flops_per_token(get_preset("9b"), config["seq_length"]) * tokens
-    return f"{flops / (mfu * PEAK_BF16_FLOPS['A100'] * 32):.0f}"
+    return tokens, train_flops_per_token(get_preset(config["model"]), config["seq_length"]) * tokens
 
 
+def _midtrain_step_s(config: str, mfu: float) -> float:
+    """A mid-training step at ``mfu`` on the paper's 32 A100s, from the FLOPs the trainer's MFU counts."""
+    from megatron_mimesis.training.flops import PEAK_BF16_FLOPS
+
+    return _midtrain(config)[1] / (mfu * PEAK_BF16_FLOPS["A100"] * PAPER_GPUS)
+
+
+def _midtrain_steps(config: str) -> str:
+    """The paper's seen tokens over a step's tokens, which is the config's own ``train_iters``."""
+    import yaml
+
+    steps = round(PAPER_TOKENS / _midtrain(config)[0])
+    assert yaml.safe_load((REPO / config).read_text())["train_iters"] == steps, config
+    return str(steps)
+
+
+MIDTRAIN_9B, MIDTRAIN_4B = "launch/configs/midtrain_9b.yaml", "launch/configs/midtrain_4b.yaml"
 DERIVED = {
-    "9b.checkpoint_gib": lambda: _plan_checkpoint_gib("launch/configs/midtrain_9b.yaml"),
-    "4b.checkpoint_gib": lambda: _plan_checkpoint_gib("launch/configs/midtrain_4b.yaml"),
-    "9b.midtrain_step_s_40pct": lambda: _midtrain_step_s(0.40),
-    "9b.midtrain_step_s_paper": lambda: _midtrain_step_s(PAPER_MFU),
+    "9b.checkpoint_gib": lambda: _plan_row(MIDTRAIN_9B, "checkpoint (weights", 1),
+    "4b.checkpoint_gib": lambda: _plan_row(MIDTRAIN_4B, "checkpoint (weights", 1),
+    "9b.checkpoint_node_share_gib": lambda: _plan_row(MIDTRAIN_9B, "checkpoint share", 0),
+    "9b.checkpoint_write_s": lambda: _plan_row(MIDTRAIN_9B, "checkpoint write", 0),
+    "9b.midtrain_step_s_40pct": lambda: f"{_midtrain_step_s(MIDTRAIN_9B, 0.40):.0f}",
+    "9b.midtrain_step_s_paper": lambda: f"{_midtrain_step_s(MIDTRAIN_9B, PAPER_MFU):.0f}",
+    "4b.midtrain_step_s_40pct": lambda: f"{_midtrain_step_s(MIDTRAIN_4B, 0.40):.0f}",
+    "4b.midtrain_step_s_paper": lambda: f"{_midtrain_step_s(MIDTRAIN_4B, PAPER_MFU):.0f}",
+    "9b.midtrain_run_h_40pct": lambda: f"{_midtrain_step_s(MIDTRAIN_9B, 0.40) * int(_midtrain_steps(MIDTRAIN_9B)) / 3600:.0f}",
+    "midtrain.tokens_per_step": lambda: str(_midtrain(MIDTRAIN_9B)[0]),
+    "midtrain.steps": lambda: _midtrain_steps(MIDTRAIN_9B),
 }
 
 
