@@ -8,9 +8,10 @@ pointed at the server (or the marker relay in front of it) through litellm's Ope
 turn. The agent is scripted (it asks, calls a tool, confirms). Nothing constrains what the user model writes.
 
 Writes one JSON object to the path given: the trajectory tau2 recorded, its termination reason, and every
-message list litellm sent to the user model.
+message list litellm sent to the user model. ``USER_LLM_ARGS`` (JSON) replaces the greedy 12-token default, as
+``--user-llm-args`` does for ``tau2 run``.
 
-    python tests/checkpoint/tau2_episodes.py BASE_URL MODEL OUT.json
+    python tests/checkpoint/tau2_episodes.py BASE_URL MODEL OUT.json [USER_LLM_ARGS]
 """
 
 import json
@@ -25,7 +26,7 @@ AGENT_ACTIONS = ["What should the new task be called?",
                  "Thanks for contacting us."]
 
 
-def main(base_url: str, model: str, out: str) -> None:
+def main(base_url: str, model: str, out: str, user_llm_args: str | None = None) -> None:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of litellm's price table
     import litellm
     from litellm.integrations.custom_logger import CustomLogger
@@ -38,7 +39,8 @@ def main(base_url: str, model: str, out: str) -> None:
             sent.append([{"role": m["role"], "content": m["content"]} for m in messages])
 
     litellm.callbacks = [RecordRequests()]
-    user_args = {"api_base": base_url, "api_key": "EMPTY", "temperature": 0.0, "max_tokens": 12}
+    user_args = (json.loads(user_llm_args) if user_llm_args else
+                 {"api_base": base_url, "api_key": "EMPTY", "temperature": 0.0, "max_tokens": 12})
     env = AgentGymEnv(domain="mock", task_id=TASK, max_steps=8, user_llm=f"openai/{model}", user_llm_args=user_args)
     _, info = env.reset()
     actions = iter(AGENT_ACTIONS)

@@ -13,6 +13,7 @@ that model trained to leave. UserRL's gyms against the first, as their user and 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,9 +124,10 @@ def test_vllms_qwen3_reasoning_parser_keeps_thoughts_private_and_the_content_ren
     assert tokenizer.apply_chat_template(flip_roles(later), add_generation_prompt=True, return_dict=False) == expected
 
 
-def _tau2_episode(base_url: str, out) -> dict:
+def _tau2_episode(base_url: str, out, model: str = "tiny", user_llm_args: dict | None = None) -> dict:
     assert MAIN_PYTHON.is_file(), f"{MAIN_PYTHON}: the main environment (make venv) runs tau2 for this test"
-    proc = subprocess.run([str(MAIN_PYTHON), "tests/checkpoint/tau2_episodes.py", base_url, "tiny", str(out)],
+    proc = subprocess.run([str(MAIN_PYTHON), "tests/checkpoint/tau2_episodes.py", base_url, model, str(out),
+                           *([json.dumps(user_llm_args)] if user_llm_args else [])],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     episode = json.loads(out.read_text())
@@ -265,6 +267,42 @@ def test_a_simulator_trained_to_leave_ends_a_tau2_episode_through_the_relay(rela
         user = OpenAIUserModel(base_url, "tiny", stop_marker=stop_marker, max_tokens=12, temperature=0.0)
         (reply,) = user.reply_many(["You want a new task."], [[{"role": "assistant", "content": "Hi! How can I help?"}]])
         assert reply.done and reply.error is None and stop_marker not in reply.utterance, (stop_marker, reply)
+
+
+def _readme_block(language: str, starts: str) -> str:
+    """The README's fenced ``language`` block under "Serving a simulator to an agent framework" that starts with
+    ``starts``, as a user copies it."""
+    section = (REPO / "README.md").read_text().split("## Serving a simulator to an agent framework", 1)[1]
+    blocks = re.findall(rf"```{language}\n(.*?)```", section.split("\n## ", 1)[0], re.DOTALL)
+    (block,) = [b for b in blocks if b.startswith(starts)]
+    return block
+
+
+def test_the_readmes_client_snippets_run_against_mimesis_serve(relayed, tmp_path):
+    """The README's OpenAI-client snippet is the one ``mimesis-serve`` prints, and runs as written; its ``tau2 run``
+    line's user model and arguments drive tau2's own orchestrator and user simulator (with a scripted agent) through
+    the relay, at the README's temperature. Only the address and the model name are this test's."""
+    import shlex
+
+    served, relay_url, snippet = relayed
+    readme_url, readme_model = "http://localhost:8000/v1", "mimesis-sim"
+    python = _readme_block("python", "from openai import OpenAI")
+    assert python == snippet.replace(relay_url, readme_url).replace('"tiny"', f'"{readme_model}"'), (python, snippet)
+    ran = subprocess.run([sys.executable, "-c", python.replace(readme_url, relay_url).replace(readme_model, "tiny")],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr[-2000:]
+
+    argv = shlex.split(_readme_block("bash", "tau2 run").replace("\\\n", " "))
+    assert argv[:2] == ["tau2", "run"]
+    options = dict(zip(argv[2::2], argv[3::2], strict=True))
+    assert options["--user-llm"] == f"openai/{readme_model}"
+    user_args = json.loads(options["--user-llm-args"])
+    assert user_args["api_base"] == readme_url and user_args["temperature"] == 1.0
+    episode = _tau2_episode(relay_url, tmp_path / "episode.json", user_llm_args={**user_args, "api_base": relay_url})
+    users = [m for m in episode["messages"] if m["role"] == "user"]
+    assert episode["termination_reason"] in ("user_stop", "max_steps") and users, episode["termination_reason"]
+    assert not any("<END>" in (m["content"] or "") for m in users)
+    print(f"MEASURED tau2 at the README's temperature: {episode['termination_reason']} after {len(users)} user turns")
 
 
 def test_a_hard_kill_of_mimesis_serve_leaves_no_server_behind(export, tmp_path):
