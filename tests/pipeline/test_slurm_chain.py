@@ -98,14 +98,22 @@ def test_the_cpu_chain_runs_every_stage_as_a_job_and_agent_rl_reads_the_served_s
                       "simulator_server-release": "COMPLETED"}, (states, logs)
 
     server = _record(run_dir, "simulator_server")
-    assert server["job"] == jobs["simulator_server"] and server["restart"] == 1, server  # its own job, requeued once
+    # its own job, requeued by agent RL; on a loaded machine agent RL runs long enough that the evaluation, starting
+    # after it, finds the server with less time left than itself too and requeues it again: every restart is a
+    # reader's, said in that reader's log
+    requeued = {name: logs[name].count(f"server job {jobs['simulator_server']} has ") for name in ("agent_rl",
+                                                                                                  "agent_eval")}
+    assert server["job"] == jobs["simulator_server"] and requeued["agent_rl"] == 1, (server, requeued)
+    assert server["restart"] == sum(requeued.values()), (server, requeued)
     assert server["outputs"]["endpoint"] != stale["outputs"]["endpoint"]
-    assert f"server job {jobs['simulator_server']} has " in logs["agent_rl"] and "requeueing it" in logs["agent_rl"]
     agent = _record(run_dir, "agent_rl")
     requests = agent["figures"]["user_requests"]["simulator_server"]
     assert requests >= 3 * 2 * 4, agent  # >= 1 user turn per episode (3 steps x 2 tasks x 4 rollouts)
     options = json.loads(agent["command"][agent["command"].index("--user-model-options") + 1])
-    assert options["base_url"] == server["outputs"]["endpoint"][0], (options, server)
+    # the server says each start's address: agent RL used the one its requeue made, the record holds the last
+    starts = re.findall(rf"serving at (\S+) \(job {jobs['simulator_server']}, start (\d+)\)", logs["simulator_server"])
+    assert [int(n) for _, n in starts] == list(range(1, server["restart"] + 2)), logs["simulator_server"]
+    assert options["base_url"] == starts[1][0] and server["outputs"]["endpoint"][0] == starts[-1][0], (options, starts)
     summary = (run_dir / "summary.md").read_text()
     for name in LOOP:
         if name != "simulator_server":
