@@ -46,14 +46,19 @@ def _plan_row(config: str, row: str, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-def _midtrain(config: str) -> tuple[int, float]:
-    """Tokens per step and training FLOPs per step of a mid-training config."""
+@functools.cache
+def _config(path: str) -> dict:
     import yaml
 
+    return yaml.safe_load((REPO / path).read_text())
+
+
+def _midtrain(path: str) -> tuple[int, float]:
+    """Tokens per step and training FLOPs per step of a mid-training config."""
     from megatron_mimesis.models.presets import get_preset
     from megatron_mimesis.training.flops import train_flops_per_token
 
-    config = yaml.safe_load((REPO / config).read_text())
+    config = _config(path)
     tokens = config["global_batch_size"] * config["seq_length"]
     return tokens, train_flops_per_token(get_preset(config["model"]), config["seq_length"]) * tokens
 
@@ -67,10 +72,8 @@ def _midtrain_step_s(config: str, mfu: float) -> float:
 
 def _midtrain_steps(config: str) -> str:
     """The paper's seen tokens over a step's tokens, which is the config's own ``train_iters``."""
-    import yaml
-
     steps = round(PAPER_TOKENS / _midtrain(config)[0])
-    assert yaml.safe_load((REPO / config).read_text())["train_iters"] == steps, config
+    assert _config(config)["train_iters"] == steps, config
     return str(steps)
 
 
