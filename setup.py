@@ -42,6 +42,7 @@ setup(
         "console_scripts": [
             "mimesis-prep-midtrain = data_prep.midtrain:main",
             "mimesis-prep-sft = data_prep.sft:main",
+            "mimesis-prep-agent-sft = data_prep.agent_sft:main",
             "mimesis-prep-bench = data_prep.bench:main",
             "mimesis-convert-checkpoint = megatron_mimesis.tools.convert_checkpoint:main",
             "mimesis-inspect-checkpoint = megatron_mimesis.tools.inspect_checkpoint:main",

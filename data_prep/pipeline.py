@@ -235,11 +235,11 @@ def _build_unlocked(
             else "off",
             weight=config.weights[index] if config.weights else None,
         )
-        _write_json(output / source.name / "manifest.json", corpus_manifest)
+        write_json(output / source.name / "manifest.json", corpus_manifest)
         corpora[source.name] = corpus_manifest
 
-    mixture = _mixture(corpora)
-    _write_json(output / "mixture.json", mixture)
+    mixture = mixture_of(corpora)
+    write_json(output / "mixture.json", mixture)
     elapsed = time.perf_counter() - started
     total_tokens = sum(c["tokens"][split] for c in corpora.values() for split in SPLITS)
     manifest = {
@@ -254,7 +254,7 @@ def _build_unlocked(
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(total_tokens / elapsed) if elapsed > 0 else None,
     }
-    _write_json(output / "manifest.json", manifest)
+    write_json(output / "manifest.json", manifest)
     shutil.rmtree(work, ignore_errors=True)
     return manifest
 
@@ -395,13 +395,13 @@ def _merge(counts: list[dict], work: Path, corpus_dir: Path, settings: ShardSett
     }
     for split in SPLITS:
         prefix = corpus_dir / split
-        for key, value in _write_packed(stems, split, prefix, settings, pad_id).items():
+        for key, value in write_packed(stems, split, prefix, settings.seq_length, settings.token_dtype, pad_id).items():
             manifest.setdefault(key, {})[split] = value
         manifest.setdefault("prefixes", {})[split] = str(prefix.resolve())
     return manifest
 
 
-def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSettings, pad_id: int) -> dict:
+def write_packed(stems: list[str], split: str, prefix: Path, seq_length: int, token_dtype: str, pad_id: int) -> dict:
     """Write one split as megatron indexed datasets (tokens + loss mask): one document per row, one sequence per
     sample plus a padding sequence. Files appear under their final names only when complete.
 
@@ -417,7 +417,7 @@ def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSet
 
         from megatron_mimesis.data.packed import LOSS_MASK_SUFFIX  # the reader owns the on-disk format
 
-    token_dtype = np.dtype(settings.token_dtype)
+    token_dtype = np.dtype(token_dtype)
     tmp = str(prefix.with_name(f".{split}.tmp"))
     tokens_out = IndexedDatasetBuilder(f"{tmp}.bin", dtype=token_dtype.type)
     masks_out = IndexedDatasetBuilder(f"{tmp}{LOSS_MASK_SUFFIX}.bin", dtype=np.uint8)
@@ -427,7 +427,7 @@ def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSet
         lengths = np.concatenate([p[0] for p in parts])
         owner = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])
         starts = np.concatenate([np.cumsum(p[0]) - p[0] for p in parts])
-        rows = pack(lengths.tolist(), settings.seq_length)
+        rows = pack(lengths.tolist(), seq_length)
         for row in rows:
             token_parts, mask_parts, segment_lengths = [], [], []
             for sample in row:
@@ -436,7 +436,7 @@ def _write_packed(stems: list[str], split: str, prefix: Path, settings: ShardSet
                 token_parts.append(tokens[begin : begin + length])
                 mask_parts.append(mask[begin : begin + length])
                 segment_lengths.append(length)
-            pad = settings.seq_length - sum(segment_lengths)
+            pad = seq_length - sum(segment_lengths)
             if pad:
                 token_parts.append(np.full(pad, pad_id, dtype=token_dtype))
                 mask_parts.append(np.zeros(pad, dtype=np.uint8))
@@ -458,7 +458,7 @@ def _counts(reasons: dict[str, int]) -> str:
     return ", ".join(f"{n:,} {reason}" for reason, n in sorted(reasons.items()) if n) or "none"
 
 
-def _mixture(corpora: dict[str, dict]) -> dict:
+def mixture_of(corpora: dict[str, dict]) -> dict:
     """Per-split blends in Megatron-LM's --per-split-data-args-path format; empty splits are left out."""
     mixture = {}
     for split in SPLITS:
@@ -473,7 +473,7 @@ def _mixture(corpora: dict[str, dict]) -> dict:
     return mixture
 
 
-def _write_json(path: Path, payload: dict) -> None:
+def write_json(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

@@ -118,7 +118,7 @@ def to_conversation(record: object, location: str, fmt: RecordFormat) -> Convers
     _check_order(turns, location, fmt.messages_field)
     raw_id = record.get(fmt.id_field)
     if raw_id is None:
-        conversation_id = _content_id(turns)
+        conversation_id = content_id([[t.role, t.content, t.thinking] for t in turns])
     elif isinstance(raw_id, str | int):
         conversation_id = str(raw_id)
     else:
@@ -230,7 +230,7 @@ def _check_order(turns: list[Turn], location: str, messages_field: str) -> None:
                               "(--double-texting merge makes them one)")
 
 
-def _content_id(turns: list[Turn]) -> str:
+def content_id(content: object) -> str:
     """Records without an id get one from their content, so the split stays stable when files are reordered."""
-    payload = json.dumps([[t.role, t.content, t.thinking] for t in turns], ensure_ascii=False)
+    payload = json.dumps(content, ensure_ascii=False)
     return "sha1:" + hashlib.sha1(payload.encode("utf-8")).hexdigest()

@@ -110,14 +110,14 @@ def process_shard(stem: str, records: list[tuple[str, object]], settings: ShardS
         "end_targets": {"ended": stats.ended, **stats.not_ended},
     }
     for split in SPLITS:
-        counts[split] = _write_split(stem, split, samples[split], np.dtype(settings.token_dtype))
+        counts[split] = write_split(stem, split, samples[split], np.dtype(settings.token_dtype))
     tmp = f"{stem}.json.tmp"
     Path(tmp).write_text(json.dumps(counts))
     os.replace(tmp, f"{stem}.json")
     return ShardResult(stem, counts)
 
 
-def _write_split(stem: str, split: str, samples: list[tuple[list[int], list[tuple[int, int, int]]]], dtype) -> dict:
+def write_split(stem: str, split: str, samples: list[tuple[list[int], list[tuple[int, int, int]]]], dtype) -> dict:
     lengths = np.array([len(tokens) for tokens, _ in samples], dtype=np.int64)
     offsets = np.cumsum(lengths) - lengths
     tokens = np.concatenate([np.array(t, dtype=dtype) for t, _ in samples]) if samples else np.zeros(0, dtype)

@@ -43,8 +43,8 @@ def paper_inputs(tmp_path_factory, tiny_dataset):
     from megatron_mimesis.models.presets import get_preset
 
     root = tmp_path_factory.mktemp("paper-inputs")
-    given = {"midtrain_data": tiny_dataset, "sft_data": tiny_dataset}
-    for stage, preset in (("base_model", "9b"), ("agent_init", "qwen3-8b")):
+    given = {"midtrain_data": tiny_dataset, "sft_data": tiny_dataset, "agent_sft_data": tiny_dataset}
+    for stage, preset in (("base_model", "9b"), ("agent_base", "qwen3-8b")):
         directory = root / stage
         shutil.copytree(tiny_dataset / "tokenizer", directory)
         get_preset(preset).family.hf_config(get_preset(preset)).save_pretrained(directory)
@@ -142,15 +142,17 @@ def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and
         "simulator_export": "1 node(s) x 8 GPU(s), time 1-00:00:00, after afterok:<simulator_rl>",
         # the server's limit follows its readers: agent RL's 2 days, the agent evaluation's 1, its own start (30 min)
         "simulator_server": "1 node(s) x 8 GPU(s), time 3-00:30:00, after afterok:<simulator_export>",
-        "agent_rl": "2 node(s) x 8 GPU(s), time 2-00:00:00, after after:<simulator_server>",
+        "agent_sft": "1 node(s) x 8 GPU(s), time 04:00:00",
+        "agent_sft_export": "1 node(s) x 8 GPU(s), time 1-00:00:00, after afterok:<agent_sft>",
+        "agent_rl": "2 node(s) x 8 GPU(s), time 2-00:00:00, after afterok:<agent_sft>,after:<simulator_server>",
         "agent_export": "1 node(s) x 8 GPU(s), time 1-00:00:00, after afterok:<agent_rl>",
         "simulator_eval": "1 node(s) x 1 GPU(s), time 12:00:00, after afterok:<sft>,afterok:<simulator_rl>",
         # each agent served for the evaluation: started when the evaluation can start (the starting agent, given,
         # would otherwise hold a node from submission on), its limit the evaluation's and its own start
-        "agent_before_server": "1 node(s) x 8 GPU(s), time 1-00:30:00, after afterok:<simulator_export>,"
-                               "afterok:<agent_export>",
+        "agent_before_server": "1 node(s) x 8 GPU(s), time 1-00:30:00, after afterok:<agent_sft_export>,"
+                               "afterok:<simulator_export>,afterok:<agent_export>",
         "agent_after_server": "1 node(s) x 8 GPU(s), time 1-00:30:00, after afterok:<agent_export>,"
-                              "afterok:<simulator_export>",
+                              "afterok:<simulator_export>,afterok:<agent_sft_export>",
         "agent_eval": "1 node(s) x 0 GPU(s), time 1-00:00:00, after after:<agent_before_server>,"
                       "after:<agent_after_server>,after:<simulator_server>",
     }, out
@@ -160,7 +162,7 @@ def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and
     assert simulator_eval["heldout"] == "heldout_humans" and "--thinking" in simulator_eval["args"]
     assert agent_eval["agents"] == {"before": "agent_before_server", "after": "agent_after_server"}
     plans = re.findall(r"^== (\w+) .*\n   memory plan: ([\d.]+) GiB per GPU of [\d.]+ \(A100-80GB\)", out, re.M)
-    assert [stage for stage, _ in plans] == ["midtrain", "sft", "simulator_rl", "agent_rl"], out
+    assert [stage for stage, _ in plans] == ["midtrain", "sft", "simulator_rl", "agent_sft", "agent_rl"], out
     assert dict(plans)["agent_rl"] == "66.37", out  # docs/layouts.md's figure for this config at 2x8
     # a training job keeps its own sbatch file's request: the paper's time limit, pre-timeout signal and save window
     assert re.search(r"--nodes=4 .*--signal=B:USR1@360 .*--export=ALL,SHUTDOWN_TIMEOUT=240 .*pipeline_stage\.sbatch "
@@ -237,7 +239,7 @@ def test_evaluation_stages_play_served_agents_read_given_conversations_and_resum
     from megatron_mimesis.pipeline.stages import Output, command
 
     agents = Stage("agent_eval", "eval_agent", {"agents": {"before": "a", "after": "b"}, "users": {"sim": "s"},
-                                                "tokenizer": "agent_init", "args": ["--env", "toy"]}, "x")
+                                                "tokenizer": "agent_base", "args": ["--env", "toy"]}, "x")
     inputs = {"agents.before": Output("endpoint", endpoint=("http://h:1/v1", "agent-before")),
               "agents.after": Output("hf", tmp_path / "hf"), "users.sim": Output("endpoint", endpoint=("http://h:2/v1", "s")),
               "tokenizer": Output("hf", tmp_path / "tok", tmp_path / "tok")}
