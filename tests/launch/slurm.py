@@ -62,7 +62,7 @@ def midtrain_job(env, tmp_path) -> dict:
     return {**slurm_env(env, tmp_path), "PRETRAINED_HF": str(released_hf_config(tmp_path / "qwen3.5-9b", "9b"))}
 
 
-def run(script, args, env, timeout: float = 120, **kwargs):
+def run(script, args, env, timeout: float = 300, **kwargs):
     return subprocess.run(["bash", f"launch/{script}", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout, **kwargs)
 

@@ -8,12 +8,18 @@ saved sets declared by ``gpu_kernels.py``. The same is done for the embedding an
 gather under sequence parallelism, the loss). Each is measured at two row lengths and fitted as
 ``per_token * tokens + fixed``; on the GPU path nothing grows faster than the tokens (TE's attention keeps no S x S
 scores), which the tests check at a third length. Measurements are cached per distinct layout and width, so a plan
-of several candidate layouts measures each once.
+of several candidate layouts measures each once; and on disk (``~/.cache/megatron-mimesis/activation-fits``, under
+``XDG_CACHE_HOME``), keyed by the spec, torch, megatron-core and this package's source, because the launcher plans
+before every submission and a plan's measuring takes tens of seconds on a busy CPU.
 """
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -98,8 +104,41 @@ def measure(spec: MeasureSpec) -> Activations:
 
 @functools.cache
 def _fits(spec: MeasureSpec) -> dict[str, Linear]:
+    path = _cached_fits(spec)
+    try:
+        return {name: Linear(**fit) for name, fit in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, TypeError):  # not measured yet, or an unreadable entry: measured again
+        pass
     points = saved_bytes_at(spec, measurement_lengths(spec))
-    return {name: Linear.fit(p) for name, p in points.items()}
+    fits = {name: Linear.fit(p) for name, p in points.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({name: dataclasses.asdict(fit) for name, fit in fits.items()}))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: measured each time
+        pass
+    return fits
+
+
+def _cached_fits(spec: MeasureSpec) -> Path:
+    """Where a spec's fits are kept: its fields (the head by name) and the code that measured them."""
+    head = spec.head if spec.head is None or dataclasses.is_dataclass(spec.head) else \
+        f"{spec.head.__module__}.{spec.head.__qualname__}"
+    key = hashlib.sha256(f"{dataclasses.replace(spec, head=head)!r}|{_code_identity()}".encode()).hexdigest()
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "megatron-mimesis" / "activation-fits" / f"{key[:32]}.json"
+
+
+@functools.cache
+def _code_identity() -> str:
+    import megatron.core
+
+    package = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256(f"torch {torch.__version__}, megatron-core {megatron.core.__version__}".encode())
+    for source in sorted(package.rglob("*.py")):
+        digest.update(str(source.relative_to(package)).encode() + source.read_bytes())
+    return digest.hexdigest()
 
 
 def saved_bytes_at(spec: MeasureSpec, lengths) -> dict[str, list[tuple[int, int]]]:

@@ -2,8 +2,11 @@
 process group, which the plan's fake worlds need, and whose measurement cache the tests share. Module-level, so
 that they can be pickled into it."""
 
+import dataclasses
 import io
+import json
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 from megatron_mimesis.compat import prepare_cpu_process
 
@@ -159,3 +162,47 @@ def save_dir_refusal(config, world_size: int, free_bytes: int) -> str | None:
         except ConfigError as exc:
             return str(exc)
     return None
+
+
+def fits_kept_on_disk(cache_home: str) -> dict:
+    """A spec's fits measured once into ``cache_home``, read back by a fresh process (the in-memory cache cleared and
+    measuring made impossible), and measured again over an unreadable entry."""
+    import os
+
+    from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.training.memory import activations
+
+    _cpu()
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = cache_home
+    spec = activations.MeasureSpec(preset=get_preset("tiny"), tensor_parallel=1, context_parallel=1,
+                                   sequence_parallel=False, bf16=True, selective_recompute=False, fusions=(),
+                                   head=None)
+    measuring = activations.saved_bytes_at
+    try:
+        activations._fits.cache_clear()
+        first = activations._fits(spec)
+        files = sorted(Path(cache_home).rglob("*.json"))
+
+        def refuse(*args):
+            raise AssertionError("measured again")
+
+        activations._fits.cache_clear()
+        activations.saved_bytes_at = refuse
+        read_back = activations._fits(spec)
+        activations.saved_bytes_at = measuring
+        files[0].write_text("{not json")
+        activations._fits.cache_clear()
+        remeasured = activations._fits(spec)
+        others = [activations._cached_fits(dataclasses.replace(spec, **change))
+                  for change in ({"tensor_parallel": 2}, {"head": activations.lm_head})]
+        return {"files": [str(f.relative_to(cache_home)) for f in files], "first": first, "read_back": read_back,
+                "remeasured": remeasured, "rewritten": json.loads(files[0].read_text()),
+                "other_specs_elsewhere": len({*others, files[0]}) == 3}
+    finally:
+        activations.saved_bytes_at = measuring
+        activations._fits.cache_clear()
+        if previous is None:
+            os.environ.pop("XDG_CACHE_HOME")
+        else:
+            os.environ["XDG_CACHE_HOME"] = previous

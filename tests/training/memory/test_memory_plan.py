@@ -27,6 +27,17 @@ def test_the_plan_counts_every_preset_whole_at_every_tp_and_pp(planner):
     assert not wrong
 
 
+def test_a_specs_fits_are_kept_on_disk_and_an_unreadable_entry_is_measured_again(planner, tmp_path):
+    """The launcher plans before every submission: a spec measured once is read back by the next process."""
+    result = planner.submit(planning.fits_kept_on_disk, str(tmp_path)).result()
+    assert len(result["files"]) == 1 and result["files"][0].startswith("megatron-mimesis/activation-fits/")
+    assert result["read_back"] == result["first"] == result["remeasured"]
+    assert set(result["first"]) == {"embedding", "attention", "deltanet"}, result
+    assert result["rewritten"] == {name: {"per_token": fit.per_token, "fixed": fit.fixed}
+                                   for name, fit in result["first"].items()}
+    assert result["other_specs_elsewhere"]
+
+
 def _real_run_states(rank, world_size, fields):
     """A real tiny trainer on this gloo rank after one optimizer step (Adam creates its moments there): the bytes of
     its DDP parameter and gradient buffers and of its optimizer states."""
