@@ -43,6 +43,7 @@ setup(
             "mimesis-prep-midtrain = data_prep.midtrain:main",
             "mimesis-prep-sft = data_prep.sft:main",
             "mimesis-prep-agent-sft = data_prep.agent_sft:main",
+            "mimesis-prep-rl-prompts = data_prep.rl_prompts:main",
             "mimesis-prep-bench = data_prep.bench:main",
             "mimesis-convert-checkpoint = megatron_mimesis.tools.convert_checkpoint:main",
             "mimesis-inspect-checkpoint = megatron_mimesis.tools.inspect_checkpoint:main",

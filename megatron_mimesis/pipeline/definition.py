@@ -21,8 +21,9 @@ PROVIDES = {
 }
 TRAINING = ("midtrain", "sft", "rl_simulator", "rl_agent")
 INPUT = "input"  # a stage the user provides: {kind: input, provides: one of INPUTS, path: ...}
-# conversations: a file of human conversations (what eval_simulator --input reads, e.g. a held-out split)
-INPUTS = ("checkpoint", "hf", "data", "endpoint", "conversations")
+# conversations: a file of human conversations (what eval_simulator --input reads, e.g. a held-out split);
+# prompts: simulator RL's prompt records with their domains' rewards (python -m data_prep.rl_prompts)
+INPUTS = ("checkpoint", "hf", "data", "endpoint", "conversations", "prompts")
 
 # per kind: its fields, and for each hand-off field the outputs it accepts. A mapping field ({name: stage}) holds
 # several hand-offs (eval's simulators, agents and users); "literal" lets a user field name a user model directly
@@ -33,7 +34,7 @@ SLURM_FIELDS = ("nodes", "gpus_per_node", "ntasks_per_node", "time", "partition"
 FIELDS = {
     "prep_midtrain": set(), "prep_sft": {"tokenizer"},
     "midtrain": {"config", "data", "load"}, "sft": {"config", "data", "load"},
-    "rl_simulator": {"config", "load"}, "rl_agent": {"config", "load", "user", "user_options"},
+    "rl_simulator": {"config", "load", "prompts"}, "rl_agent": {"config", "load", "user", "user_options"},
     "export": {"load"}, "serve": {"model", "name", "python", "start_timeout_s"},
     "eval_simulator": {"simulators", "heldout"}, "eval_agent": {"agents", "users", "tokenizer"},
     INPUT: {"provides", "path"},
@@ -41,7 +42,7 @@ FIELDS = {
 HANDOFFS = {
     "tokenizer": ("data", "checkpoint", "hf"), "data": ("data",), "load": ("checkpoint", "hf"), "user": ("endpoint",),
     "model": ("hf",), "simulators": ("checkpoint", "hf"), "agents": ("hf", "endpoint"), "users": ("endpoint", "literal"),
-    "heldout": ("conversations",),
+    "heldout": ("conversations",), "prompts": ("prompts",),
 }
 # a training stage starts from a checkpoint or from HF weights; an export is of a dist checkpoint
 KIND_HANDOFFS = {("export", "load"): ("checkpoint",)}

@@ -138,6 +138,9 @@ def given_output(stage: Stage, value: str) -> Output:
         return Output("conversations", path)
     if not path.exists():
         raise PipelineError(f"{label}: {path}: no such directory")
+    if provides == "prompts":
+        prompt_files(label, path)
+        return Output("prompts", path)
     if provides == "data":  # its manifest names the tokenizer it was encoded with (data_prep keeps a given one where
         try:                # it is, and one it trains in tokenizer/)
             tokenizer = json.loads((path / "manifest.json").read_text())["tokenizer"]
@@ -157,6 +160,25 @@ def given_output(stage: Stage, value: str) -> Output:
     # HF weights where a stage's checkpoint was expected: the next stage starts from them (--pretrained-hf)
     kind = "hf" if (path / "config.json").is_file() else provides
     return Output(kind, path, tokenizer, tokenizer_identity(tokenizer) if tokenizer else None, preset)
+
+
+def prompt_files(label: str, path: Path) -> tuple[list[str], dict[str, str]]:
+    """The record files of a ``data_prep.rl_prompts`` output and the reward of each of their domains, from its
+    manifest (the files where the manifest is, so the directory can move)."""
+    from data_prep.rl_prompts import TASK
+
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        if manifest["task"] != TASK:
+            raise ValueError
+        files, rewards = [str(path / f"{name}.jsonl") for name in manifest["files"]], dict(manifest["domain_rewards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise PipelineError(f"{label}: {path} is not a data_prep.rl_prompts output (no manifest.json of its "
+                            f"records)") from None
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise PipelineError(f"{label}: {missing[0]}: no such file (its manifest lists it)")
+    return files, rewards
 
 
 def planned_output(run_dir: Path, stage: Stage, inputs: dict[str, Output], preset) -> Output:
@@ -246,6 +268,9 @@ def training_flags(stage: Stage, run_dir: Path, inputs: dict[str, Output]) -> li
             flags += ["--load", str(inputs["load"].path), "--finetune", "--pretrained-hf", ""]
         if stage.kind.startswith("rl_"):
             flags += ["--tokenizer", str(inputs["load"].tokenizer)]
+    if "prompts" in inputs:  # the records and the domain -> reward map they were built with
+        files, rewards = prompt_files(f"{stage.where}.prompts", inputs["prompts"].path)
+        flags += ["--prompts", _flag_json(files), "--domain-rewards", _flag_json(rewards)]
     if "user" in inputs:
         url, model = inputs["user"].endpoint or ("http://127.0.0.1:0/v1", "served-at-run-time")
         options = {**(stage.fields.get("user_options") or {}), "base_url": url, "model": model}

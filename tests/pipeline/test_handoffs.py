@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from data_prep import rl_prompts
 from megatron_mimesis.pipeline import definition, manifest
 from megatron_mimesis.pipeline.resolve import resolve
+from megatron_mimesis.pipeline.stages import given_output, training_flags
 from tests.rl.fakes import FakeOpenAIServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +41,7 @@ def one_line_error(result) -> str:
 @pytest.fixture(scope="module")
 def paper_inputs(tmp_path_factory, tiny_dataset):
     """What a user of the paper's chain gives: HF directories of Qwen3.5-9B and Qwen3-8B (their configs; the tokenizer
-    here is the tiny one the data were encoded with), two data_prep outputs and a file of held-out conversations."""
+    here is the tiny one the data were encoded with), the data_prep outputs and a file of held-out conversations."""
     from megatron_mimesis.models.presets import get_preset
 
     root = tmp_path_factory.mktemp("paper-inputs")
@@ -49,6 +51,13 @@ def paper_inputs(tmp_path_factory, tiny_dataset):
         shutil.copytree(tiny_dataset / "tokenizer", directory)
         get_preset(preset).family.hf_config(get_preset(preset)).save_pretrained(directory)
         given[stage] = directory
+    tasks = root / "tasks.jsonl"  # simulator RL's prompts, one verifiable domain and one behaviour task
+    tasks.write_text(json.dumps({"domain": "soul_search", "instructions": "You want to know: the capital of France?",
+                                 "answer": "paris"}) + "\n" + json.dumps({"domain": "abcd", "instructions": "Ask for a "
+                                                                       "refund of order #1."}) + "\n")
+    (root / "behaviours.jsonl").write_text(json.dumps({"name": "impatient", "description": "pushes"}) + "\n")
+    rl_prompts.build([str(tasks)], str(root / "rl-prompts"), str(root / "behaviours.jsonl"))
+    given["simulator_rl_prompts"] = root / "rl-prompts"
     given["heldout_humans"] = root / "heldout.jsonl"
     given["heldout_humans"].write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                                 {"role": "assistant", "content": "hello"}]}) + "\n")
@@ -170,6 +179,17 @@ def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and
     assert "--wrap=scancel <simulator_server>" in out and "afterany:<agent_rl>:<agent_eval>" in out, out
     assert "--wrap=scancel <agent_before_server>" in out and "--wrap=scancel <agent_after_server>" in out, out
     assert not (tmp_path / "slurm_jobs.txt").exists()
+    # simulator RL reads the given prompts with the rewards they were built for, whatever its config names
+    given = next(Path(a.split("=", 2)[2]) for a in paper_inputs if a.startswith("--given=simulator_rl_prompts="))
+    stages = definition.load(paper, tmp_path, {"simulator_rl_prompts": str(given)}).stages
+    flags = training_flags(stages["simulator_rl"], tmp_path, {"prompts": given_output(
+        stages["simulator_rl_prompts"], str(given))})
+    assert flags[flags.index("--prompts") + 1:flags.index("--prompts") + 4] == [
+        json.dumps([str(given / "tasks.jsonl")], separators=(",", ":")), "--domain-rewards",
+        '{"abcd":"behaviour","soul_search":"exact_match"}'], flags
+    with pytest.raises(definition.PipelineError, match=rf"^{re.escape(str(paper))}: stages.simulator_rl_prompts "
+                                                       rf"\(--given\): {tmp_path} is not a data_prep.rl_prompts output"):
+        given_output(stages["simulator_rl_prompts"], str(tmp_path))
 
 
 def test_the_cpu_chain_is_planned_at_the_request_each_job_is_submitted_with(tmp_path):
