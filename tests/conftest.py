@@ -71,13 +71,23 @@ def qwen3_tokenizer(tiny_dataset, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """A private SLURM cluster of 4 nodes x 2 CPUs (tests/slurm_cluster.py), shared by the tests of this process."""
+def _slurm_session(tmp_path_factory):
     from tests.slurm_cluster import start_cluster
 
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def slurm_cluster(_slurm_session):
+    """A private SLURM cluster of 4 nodes x 2 CPUs (tests/slurm_cluster.py), shared by the tests of this process;
+    whatever jobs a test leaves (one that failed mid-chain) are cancelled after it, so the next test's jobs do not
+    wait behind them for nodes."""
+    from tests.slurm_cluster import cancel_every_job
+
+    yield _slurm_session
+    cancel_every_job(_slurm_session)
 
 
 @pytest.fixture

@@ -28,6 +28,22 @@ def start_cluster(directory: Path) -> LocalSlurm:
     return LocalSlurm(directory, nodes=4, cpus=2, timeouts=TIMEOUTS).start()
 
 
+def cancel_every_job(cluster: LocalSlurm, timeout: float = 120) -> None:
+    """Cancel the cluster's jobs and wait until they are gone (a running job's processes get KillWait)."""
+    def queued() -> list[str]:
+        return cluster.command("squeue", "--noheader", "--format=%i", timeout=30).split()
+
+    jobs = queued()
+    if jobs:
+        cluster.command("scancel", *jobs, check=False, timeout=30)
+    deadline = time.monotonic() + timeout
+    while jobs and time.monotonic() < deadline:
+        time.sleep(2)
+        jobs = queued()
+    if jobs:
+        raise AssertionError(f"jobs {jobs} still queued {timeout} s after scancel")
+
+
 def job_env(cluster: LocalSlurm, **extra: str) -> dict[str, str]:
     """What a user's shell has when they submit: the cluster, this interpreter for the launchers, one thread per
     rank (the cluster's 4 nodes share this machine's cores)."""
