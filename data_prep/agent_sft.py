@@ -98,13 +98,14 @@ def _check_family(config: Path) -> None:
     """An agent checkpoint's family must render its contexts with its tokenizer's own template, as these rows do."""
     if not config.is_file():
         return
-    from megatron_mimesis.models.presets import family_of_model_type
+    from megatron_mimesis.models.presets import FAMILIES, family_of_model_type
 
     family = family_of_model_type(json.loads(config.read_text()).get("model_type"), str(config))
     if not family.chat.own_template:
+        own = ", ".join(f.title for f in FAMILIES.values() if f.chat.own_template)
         raise PrepError(f"{config}: a {family.title} agent's contexts are rendered piece by piece in agent RL "
                         f"(models/family.ChatFormat), not by its tokenizer's chat template; agent SFT data is built "
-                        f"for families whose agents use their own template (Qwen3)")
+                        f"for families whose agents use their own template ({own})")
 
 
 def _chains(messages: list[dict]) -> list[tuple[int, int]]:
