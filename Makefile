@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# pip's sources and semantics, uv's speed (tools/venv_install.sh)
+INSTALL := bash tools/venv_install.sh
 
 # UserRL's gyms and tau-bench v1 (which TauGym imports) are on no package registry: when their source trees are
 # beside the checkout (THIRD_PARTY), each venv gets them from a copy inside the venv, installed editable so that their
@@ -19,7 +21,7 @@ USERRL_GYMS := FunctionGym TelepathyGym TurtleGym IntentionGym TauGym SearchGym 
 install_third_party = if [ -d $(THIRD_PARTY)/UserRL/gyms ]; then \
 	mkdir -p $(1)/third_party && cp -r $(THIRD_PARTY)/tau-bench $(addprefix $(THIRD_PARTY)/UserRL/gyms/,$(USERRL_GYMS)) \
 		$(1)/third_party/ && chmod -R u+w $(1)/third_party && \
-	$(1)/bin/python -m pip install -q --no-deps -e $(1)/third_party/tau-bench \
+	$(INSTALL) $(1)/bin/python --no-deps -e $(1)/third_party/tau-bench \
 		$(addprefix -e $(1)/third_party/,$(USERRL_GYMS)); \
 	else echo "note: no $(THIRD_PARTY)/UserRL: UserRL's gyms not installed (their tests skip)"; fi
 
@@ -28,8 +30,7 @@ install_third_party = if [ -d $(THIRD_PARTY)/UserRL/gyms ]; then \
 $(STAMP): setup.py constraints.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,envs,userrl,wandb]"
+	$(INSTALL) $(PY) -c constraints.txt -e ".[dev,envs,userrl,wandb]"
 	$(call install_third_party,$(VENV))
 	touch $(STAMP)
 
@@ -40,9 +41,7 @@ venv: $(STAMP)
 $(VLLM_STAMP): setup.py constraints-vllm.txt
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q --no-deps -r constraints-vllm.txt
-	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(INSTALL) $(VLLM_PY) --no-deps -r constraints-vllm.txt -e .
 	$(call install_third_party,$(VLLM_VENV))
 	touch $(VLLM_STAMP)
 
