@@ -50,7 +50,7 @@ def dist_rows(directory: Path, include_optimizer: bool):
 def key_rows(preset_name: str) -> tuple[str, list[tuple[str, str, list[str], str]]]:
     """The key table of a preset's family (see the module docstring): its title and, per parameter, (megatron name,
     dist checkpoint key, HF tensors, layout), ``N`` standing for the layer index."""
-    from megatron_mimesis.checkpoint.reader import fused_part_names, stacked_key
+    from megatron_mimesis.checkpoint.reader import fused_part_names, stacked_key, stored_name
     from megatron_mimesis.models.mapping import GroupedQKV, PerRankConcat, Split, VocabSplit
     from megatron_mimesis.models.presets import get_preset
 
@@ -88,7 +88,7 @@ def key_rows(preset_name: str) -> tuple[str, list[tuple[str, str, list[str], str
         if (layer is not None and layer not in first) or name in seen:
             continue
         seen.add(name)
-        key = stacked_key(entry.megatron)[0] if stacked and layer is not None else name
+        key = stacked_key(entry.megatron)[0] if stacked and layer is not None else stored_name(name)
         parts = fused_part_names(key)
         key = f"{key}.{{{','.join(p.rsplit('.', 1)[1] for p in parts)}}}" if parts else key
         rows.append((name, key, [pattern(n, layer) for n in entry.hf_names()], how(entry)))

@@ -4,7 +4,7 @@ Export streams: one megatron tensor is read from the dist checkpoint (any TP/PP 
 group), turned into its HF tensors and appended to a size-bounded safetensors shard, so peak memory is
 about one layer plus one output shard. With the original directory as reference, the output keeps its
 architecture, config and key names (a multimodal ``Qwen3_5ForConditionalGeneration``'s ``model.language_model.*``)
-and whatever else it holds (a vision tower, MTP weights) is copied unchanged; without it, the output is the
+and whatever else it holds (a vision tower; the MTP head when the checkpoint has none) is copied unchanged; without it, the output is the
 family's text-only causal LM (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``). Either way the export is a servable user simulator (:mod:`.serving`: its chat template,
 generation config and token ids). Import streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor
 is read, mapped and written into a weights-only dist checkpoint that the trainer loads at any layout with
@@ -27,7 +27,7 @@ from megatron_mimesis.checkpoint.model_card import write_card
 from megatron_mimesis.checkpoint.reader import TOKENIZER_SUBDIR, DistCheckpointReader
 from megatron_mimesis.checkpoint.serving import make_servable, special_token_ids
 from megatron_mimesis.models.family import Preset
-from megatron_mimesis.models.hf_io import CONDITIONAL_TEXT_PREFIX, TEXT_PREFIX, LazyHFState, ShardedSafetensorsWriter
+from megatron_mimesis.models.hf_io import LazyHFState, ShardedSafetensorsWriter, stored_name
 from megatron_mimesis.models.presets import architecture_differences, preset_from_hf_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -92,14 +92,16 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
     try:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         cast = DTYPES[dtype]
+        multimodal = ref_state is not None and ref_state.multimodal
+        written = set()
         for entry in tqdm(table, desc="export", unit="tensor", disable=not progress):
             for name, tensor in entry.to_hf([reader.tensor(entry.megatron)]).items():
-                if ref_state is not None and ref_state.multimodal and name.startswith(TEXT_PREFIX):
-                    name = CONDITIONAL_TEXT_PREFIX + name[len(TEXT_PREFIX):]
-                writer.add(name, tensor.to(cast))
+                written.add(stored_name(name, multimodal))
+                writer.add(stored_name(name, multimodal), tensor.to(cast))
         if ref_state is not None:
-            for name in tqdm(sorted(ref_state.other), desc="copy vision/MTP", disable=not progress):
-                writer.add(name, ref_state.read_other(name))
+            rest = {name: where for name, where in ref_state.stored().items() if name not in written}
+            for name in tqdm(sorted(rest), desc="copy the reference's other tensors", disable=not progress):
+                writer.add(name, ref_state.read_stored(rest[name]))
         writer.close()
         source = _tokenizer_source(reader, reference, tokenizer)
         if source is None:

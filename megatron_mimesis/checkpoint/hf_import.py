@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_mimesis.checkpoint.reader import RUN_CONFIG, chunk_of, fused_part_names, is_stacked, layer_name
+from megatron_mimesis.checkpoint.reader import (
+    RUN_CONFIG,
+    chunk_of,
+    fused_part_names,
+    is_stacked,
+    layer_name,
+    parameter_name,
+)
 from megatron_mimesis.models.family import Preset
 from megatron_mimesis.models.mapping import PerRankConcat
 from megatron_mimesis.models.presets import preset_from_hf_dir, preset_record
@@ -49,7 +56,7 @@ class HFMegatronTensors:
         if is_stacked(key):  # megatron's chunks of a stacked key are single layers
             full = self._global(layer_name(key, offsets[0])).unsqueeze(0)
             return chunk_of(full, (0, *offsets[1:]), sizes)
-        return chunk_of(self._global(key), offsets, sizes)
+        return chunk_of(self._global(parameter_name(key)), offsets, sizes)
 
     def _global(self, key: str) -> torch.Tensor:
         if key in self._entries:

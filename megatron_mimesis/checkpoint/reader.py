@@ -45,6 +45,21 @@ FUSED_PARTS = {
 }
 
 
+# megatron-core saves the inner layer of a GPT MTP layer (``mtp.layers.N.mtp_model_layer.``) under its former module
+# name, ``transformer_layer`` (``MultiTokenPredictionLayer.sharded_state_dict``), so that older checkpoints load
+MTP_LAYER, MTP_LAYER_STORED = ".mtp_model_layer.", ".transformer_layer."
+
+
+def stored_name(name: str) -> str:
+    """A model parameter's name -> the checkpoint key megatron saves it under (before any stacking or fused parts)."""
+    return name.replace(MTP_LAYER, MTP_LAYER_STORED, 1) if name.startswith("mtp.") else name
+
+
+def parameter_name(key: str) -> str:
+    """The inverse of :func:`stored_name`."""
+    return key.replace(MTP_LAYER_STORED, MTP_LAYER, 1) if key.startswith("mtp.") else key
+
+
 LAYERS = "decoder.layers."
 _LAYER = re.compile(rf"^{re.escape(LAYERS)}(\d+)\.(.+)$")
 
@@ -188,7 +203,7 @@ class DistCheckpointReader:
     def _pieces(self, name: str) -> list[tuple[str, int | None]]:
         """Where the parameter ``name`` is stored: (key, its layer in a stacked key or None) of the tensor, or of its
         named parts in concatenation order; empty when the checkpoint does not hold it."""
-        for key, layer in [(name, None), *([stacked_key(name)] if stacked_key(name) else [])]:
+        for key, layer in [(stored_name(name), None), *([stacked_key(name)] if stacked_key(name) else [])]:
             if key in self._stored:
                 return [(key, layer)]
             parts = fused_part_names(key)

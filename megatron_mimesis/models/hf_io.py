@@ -1,10 +1,10 @@
 """Reading and writing Hugging Face checkpoint directories (safetensors, sharded or not).
 
-A text-only causal LM (``Qwen3ForCausalLM``, an exported ``Qwen3_5ForCausalLM``) names its tensors ``model.*`` and
-``lm_head.weight``. A multimodal one (the released ``Qwen3_5ForConditionalGeneration``) keeps the text weights under
-``model.language_model.*`` beside a vision tower (``model.visual.*``) and MTP weights (``mtp.*``). Training is
-text-only, so reading yields the text model under the causal LM's names, the names the parameter mappings use, and
-remembers which layout the directory had. Both directions stream: a tensor is read when asked for, and written
+A text-only causal LM (``Qwen3ForCausalLM``, an exported ``Qwen3_5ForCausalLM``) names its tensors ``model.*``,
+``lm_head.weight`` and, with a multi-token-prediction head, ``mtp.*``. A multimodal one (the released
+``Qwen3_5ForConditionalGeneration``) keeps the decoder's weights under ``model.language_model.*`` beside a vision
+tower (``model.visual.*``) and the same ``mtp.*``. Training is text-only, so reading yields the text model under the
+causal LM's names, the names the parameter mappings use, and remembers which layout the directory had. Both directions stream: a tensor is read when asked for, and written
 shards are flushed at a size bound, so a 9B model is never held twice.
 """
 
@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 
 CONDITIONAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
+MTP_PREFIX = "mtp."
+VISION_PREFIX = "model.visual."
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:
@@ -38,12 +40,21 @@ def safetensors_files(directory: str | Path) -> list[Path]:
 
 
 def text_model_name(name: str) -> str | None:
-    """Checkpoint tensor name -> the text-only causal LM's name, or None for non-text tensors (vision, MTP)."""
+    """Checkpoint tensor name -> the text-only causal LM's name, or None for what is not the text model (vision)."""
     if name.startswith(CONDITIONAL_TEXT_PREFIX):
         return TEXT_PREFIX + name[len(CONDITIONAL_TEXT_PREFIX):]
-    if name == "lm_head.weight" or (name.startswith(TEXT_PREFIX) and not name.startswith("model.visual.")):
+    if name == "lm_head.weight" or name.startswith(MTP_PREFIX):
+        return name
+    if name.startswith(TEXT_PREFIX) and not name.startswith(VISION_PREFIX):
         return name
     return None
+
+
+def stored_name(text_name: str, multimodal: bool) -> str:
+    """The inverse of :func:`text_model_name`: where a directory of that layout keeps a text-model tensor."""
+    if multimodal and text_name.startswith(TEXT_PREFIX):
+        return CONDITIONAL_TEXT_PREFIX + text_name[len(TEXT_PREFIX):]
+    return text_name
 
 
 class LazyHFState(Mapping):
@@ -53,7 +64,7 @@ class LazyHFState(Mapping):
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self._where: dict[str, tuple[Path, str]] = {}
-        self.other: dict[str, tuple[Path, str]] = {}  # vision tower, MTP: everything the text model is not
+        self.other: dict[str, tuple[Path, str]] = {}  # the vision tower: everything the text model is not
         self.multimodal = False
         for path in safetensors_files(directory):
             with safe_open(str(path), framework="pt") as f:
@@ -70,8 +81,13 @@ class LazyHFState(Mapping):
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(stored)
 
-    def read_other(self, name: str) -> torch.Tensor:
-        path, stored = self.other[name]
+    def stored(self) -> dict[str, tuple[Path, str]]:
+        """Every tensor of the directory under its stored name: the text model's and the others."""
+        return {**{stored: (path, stored) for path, stored in self._where.values()}, **self.other}
+
+    @staticmethod
+    def read_stored(where: tuple[Path, str]) -> torch.Tensor:
+        path, stored = where
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(stored)
 

@@ -58,7 +58,8 @@ def iter_hf_tensors(model, preset: Preset, padded_vocab: int, *, grads: bool = F
     each entry's TP shards are all-gathered (collective over the TP group, every TP rank gets the tensors), so
     memory stays at one parameter's full size. This is what weight sync to an inference engine streams.
 
-    With ``grads`` the parameters' gradients (megatron DDP's ``main_grad`` when present) instead of their values.
+    With ``grads`` the parameters' gradients (megatron DDP's ``main_grad`` when present) instead of their values, for
+    the parameters that take one (not the frozen MTP head).
     """
     table = preset.family.mapping(preset, padded_vocab)
     if grads:
@@ -71,6 +72,8 @@ def iter_hf_tensors(model, preset: Preset, padded_vocab: int, *, grads: bool = F
         if entry.megatron not in names:
             continue
         param = params[names[entry.megatron]]
+        if grads and not param.requires_grad:
+            continue
         local = (param.main_grad if grads and getattr(param, "main_grad", None) is not None
                  else param.grad if grads else param).detach()
         if tp == 1 or isinstance(entry, Replicated):

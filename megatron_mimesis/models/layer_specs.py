@@ -50,8 +50,8 @@ class LocalBackend(LocalSpecProvider):
         return NormColumnParallelLinear
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
-        if not rms_norm:
-            raise ValueError("the local backend implements RMSNorm only")
+        """RMSNorm, whatever ``rms_norm`` says: every family normalizes with it (``models/config.py``), and megatron's
+        MTP layer asks for its norms without saying which (TE's provider reads the config's choice instead)."""
         return RMSNorm
 
     def core_attention(self):

@@ -195,9 +195,15 @@ def embedding_and_head(p, padded_vocab: int) -> list[ParamMapping]:
     return table
 
 
-def swiglu_mlp(p, layer: int) -> list[ParamMapping]:
-    """Layer ``layer``'s pre-MLP norm (fused into fc1 on the megatron side) and its SwiGLU MLP."""
-    hf, mc = f"model.layers.{layer}.", f"decoder.layers.{layer}.mlp."
+def decoder_layer(layer: int) -> tuple[str, str]:
+    """The HF and megatron name prefixes of decoder layer ``layer``."""
+    return f"model.layers.{layer}.", f"decoder.layers.{layer}."
+
+
+def swiglu_mlp(p, hf: str, megatron: str) -> list[ParamMapping]:
+    """The pre-MLP norm (fused into fc1 on the megatron side) and the SwiGLU MLP of the layer whose names start with
+    ``hf`` and ``megatron`` (:func:`decoder_layer`'s, or an MTP layer's)."""
+    mc = megatron + "mlp."
     return [
         Replicated(mc + "linear_fc1.layer_norm_weight", hf + "post_attention_layernorm.weight"),
         PerRankConcat(mc + "linear_fc1.weight", (
@@ -208,11 +214,12 @@ def swiglu_mlp(p, layer: int) -> list[ParamMapping]:
     ]
 
 
-def attention(p, layer: int, output_gate: bool) -> list[ParamMapping]:
-    """Layer ``layer``'s input norm (fused into linear_qkv), grouped-query attention with per-head q/k norms."""
-    a, m = f"model.layers.{layer}.self_attn.", f"decoder.layers.{layer}.self_attention."
+def attention(p, hf: str, megatron: str, output_gate: bool) -> list[ParamMapping]:
+    """The input norm (fused into linear_qkv) and the grouped-query attention with per-head q/k norms of the layer
+    whose names start with ``hf`` and ``megatron``."""
+    a, m = hf + "self_attn.", megatron + "self_attention."
     return [
-        Replicated(m + "linear_qkv.layer_norm_weight", f"model.layers.{layer}.input_layernorm.weight"),
+        Replicated(m + "linear_qkv.layer_norm_weight", hf + "input_layernorm.weight"),
         GroupedQKV(m + "linear_qkv.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
                    p.num_attention_heads, p.num_query_groups, p.head_dim, output_gate=output_gate),
         Replicated(m + "q_layernorm.weight", a + "q_norm.weight"),

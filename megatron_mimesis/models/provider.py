@@ -3,8 +3,16 @@
 megatron-core's GPT model with a heterogeneous layer list is what megatron-core's own Qwen3-Next support and
 Megatron-Bridge's Qwen models use; its HybridModel splits mixer and MLP into separate layers, which would break the
 one-to-one correspondence with HF's decoder layers that the parameter mapping relies on (``models/family.py``).
+
+A preset with MTP layers (Qwen3.5's released checkpoints have one) gets megatron's ``MultiTokenPredictionBlock`` on
+the last pipeline stage, built from the last decoder layer's spec as megatron's ``get_gpt_mtp_block_spec`` builds it,
+so that its weights are saved, loaded and converted under megatron's (Megatron-Bridge's) names at any layout. It is
+held frozen: its parameters take no gradient and no optimizer state, and the model's forward does not run it (the
+block is not ``GPTModel``'s own ``mtp``, whose forward adds megatron's MTP loss); the head the model was imported
+with is exported with it, for the serving engine's speculative decoding.
 """
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -43,9 +51,10 @@ class ModelProvider:
             # megatron-core would fail later with NameError: name 'TESpecProvider' is not defined
             raise ImportError("backend='te' needs Transformer Engine, which the [gpu] extra installs: "
                               "pip install -e '.[gpu]' (or leave the backend unset: the local modules run without it)")
+        block_spec = self.preset.family.block_spec(self.config, backend, vp_stage=vp_stage)
         model = GPTModel(
             config=self.config,
-            transformer_layer_spec=self.preset.family.block_spec(self.config, backend, vp_stage=vp_stage),
+            transformer_layer_spec=block_spec,
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.preset.max_position_embeddings,
             pre_process=pre_process,
@@ -58,4 +67,20 @@ class ModelProvider:
         )
         if post_process:
             mark_real_vocab(model.output_layer, self.preset.vocab_size)
+        mtp_layers = getattr(self.preset, "mtp_num_layers", 0)
+        if mtp_layers and post_process:
+            model.mtp = self._frozen_mtp(mtp_layers, block_spec, backend, vp_stage, model.pg_collection)
         return model
+
+    def _frozen_mtp(self, layers: int, block_spec, backend: Backend, vp_stage, pg_collection):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec, get_gpt_mtp_block_spec_for_backend
+        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+        from megatron_mimesis.models.layer_specs import LocalBackend
+
+        config = dataclasses.replace(self.config, mtp_num_layers=layers)
+        spec = (get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=True, vp_stage=vp_stage)
+                if backend == "te" else
+                get_gpt_mtp_block_spec_for_backend(config, block_spec, backend=LocalBackend(), vp_stage=vp_stage))
+        block = MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage, pg_collection=pg_collection)
+        return block.requires_grad_(False)

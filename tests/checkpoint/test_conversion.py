@@ -120,9 +120,9 @@ def _dist_tensors(directory):
     return state
 
 
-def _load_at_layout_and_compare(rank, world_size, ckpt, hf_dir):
+def _load_at_layout_and_compare(rank, world_size, ckpt, hf_dir, preset=PRESET, save_to=None):
     """On each rank of TP=2 x PP=2: the imported checkpoint, loaded the way --finetune loads it, equals this rank's
-    shard of the HF weights put in by load_hf_weights."""
+    shard of the HF weights put in by load_hf_weights; with ``save_to``, megatron then saves it at this layout."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -136,12 +136,16 @@ def _load_at_layout_and_compare(rank, world_size, ckpt, hf_dir):
     enable_cpu_compat()
     parallel_state.initialize_model_parallel(2, 2)
     model_parallel_cuda_manual_seed(0)
-    provider = ModelProvider(PRESET, transformer_config(PRESET, ParallelConfig(tensor_model_parallel_size=2,
+    provider = ModelProvider(preset, transformer_config(preset, ParallelConfig(tensor_model_parallel_size=2,
                                                                               pipeline_model_parallel_size=2)))
     expected, loaded = provider(), provider()
-    load_hf_weights(expected, LazyHFState(hf_dir), PRESET, provider.padded_vocab_size)
-    load_model_weights(ckpt, [loaded], PRESET)
+    load_hf_weights(expected, LazyHFState(hf_dir), preset, provider.padded_vocab_size)
+    load_model_weights(ckpt, [loaded], preset)
     theirs = dict(expected.named_parameters())
+    if save_to is not None:
+        from megatron_mimesis.checkpoint.writer import dist_save
+
+        dist_save({"model": loaded.sharded_state_dict()}, save_to)
     return sorted(name for name, p in loaded.named_parameters() if not torch.equal(p, theirs[name]))
 
 
@@ -187,28 +191,81 @@ def test_exported_dir_loads_in_transformers_with_the_same_logits(hf_model, tiny_
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == simulator_chat_template(thinking=False)
 
 
-@pytest.mark.slow
-def test_hf_reference_keeps_vision_tower_mtp_and_layout(tiny_dataset, tmp_path):
+MTP_PRESET = PRESET.replace(mtp_num_layers=1)
+
+
+def _released_layout(tmp_path, tokenizer, preset, name: str):
+    """A Qwen3_5ForConditionalGeneration of ``preset`` as Qwen releases it: a vision tower, the text model under
+    ``model.language_model.``, and the MTP head when the preset has one (``tests/models/hf_mtp.py``)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+    from tests.models.hf_mtp import hf_mtp_tensors
+
     torch.manual_seed(0)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=PRESET.hidden_size,
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=preset.hidden_size,
                   num_position_embeddings=64, patch_size=4, temporal_patch_size=2)
-    reference = _hf_dir(tmp_path, Qwen3_5ForConditionalGeneration(
-        Qwen3_5Config(text_config=PRESET.family.hf_config(PRESET).to_dict(), vision_config=vision)),
-        tiny_dataset / "tokenizer",
-        "reference")
-    weights = load_file(str(reference / "model.safetensors"))
-    weights["mtp.fc.weight"] = torch.randn(PRESET.hidden_size, 2 * PRESET.hidden_size)
+    directory = _hf_dir(tmp_path, Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=preset.family.hf_config(preset).to_dict(), vision_config=vision)), tokenizer, name)
+    weights = load_file(str(directory / "model.safetensors"))
+    if preset.mtp_num_layers:
+        weights |= hf_mtp_tensors(preset)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory, weights
+
+
+def _assert_same_tensors(directory, weights):
+    out = _tensors(directory)
+    assert set(out) == set(weights), set(out) ^ set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(out[name], tensor), name
+
+
+@pytest.mark.slow
+def test_hf_reference_keeps_vision_tower_and_layout_and_an_mtp_head_the_checkpoint_lacks(tiny_dataset, tmp_path):
+    reference, weights = _released_layout(tmp_path, tiny_dataset / "tokenizer", PRESET, "reference")
+    weights["mtp.fc.weight"] = torch.randn(PRESET.hidden_size, 2 * PRESET.hidden_size)  # not the model's: copied
     save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
     import_from_hf(reference, tmp_path / "mcore", dtype="fp32", progress=False)
     export_to_hf(tmp_path / "mcore", tmp_path / "out", hf_reference=reference, dtype="fp32", progress=False)
-    out = _tensors(tmp_path / "out")
-    assert set(out) == set(weights)
-    for name, tensor in weights.items():
-        assert torch.equal(out[name], tensor), name
+    _assert_same_tensors(tmp_path / "out", weights)
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == \
         json.loads((reference / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_mtp_head_goes_through_import_a_tp2_pp2_save_and_export_bit_exact(tiny_dataset, tmp_path):
+    """A released layout with its MTP head: imported, the head is in the dist checkpoint under megatron's
+    (Megatron-Bridge's) names; loaded at TP=2 x PP=2 it equals the mapping's shards of the HF tensors; saved there and
+    exported, all 15 of its tensors come back bit for bit, with the config's ``mtp_num_hidden_layers``, in the
+    released layout (with the reference) and in the text-only one (without)."""
+    from megatron_mimesis.checkpoint.integrity import record_files
+    from megatron_mimesis.checkpoint.reader import stored_name
+    from tests.multiproc import run_distributed
+
+    reference, weights = _released_layout(tmp_path, tiny_dataset / "tokenizer", MTP_PRESET, "reference")
+    assert sum(name.startswith("mtp.") for name in weights) == 15
+    import_from_hf(reference, tmp_path / "mcore", dtype="fp32", progress=False)
+    stored = DistCheckpointReader(tmp_path / "mcore").stored_tensors()
+    head = [m.megatron for m in MTP_PRESET.family.mapping(MTP_PRESET, 512) if m.megatron.startswith("mtp.")]
+    assert len(head) == 12 and {stored_name(n) for n in head} <= set(stored), sorted(stored)
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight" in stored  # megatron-core's own key
+
+    saved = tmp_path / "tp2pp2" / "iter_0000001"
+    saved.mkdir(parents=True)
+    assert run_distributed(_load_at_layout_and_compare, 4, str(tmp_path / "mcore"), str(reference), MTP_PRESET,
+                           str(saved)) == [[], [], [], []]
+    shutil.copy2(tmp_path / "mcore" / "iter_0000000" / "run_config.json", saved / "run_config.json")
+    record_files(saved)
+    (saved.parent / "latest").write_text("1\n")
+    export_to_hf(saved.parent, tmp_path / "released", hf_reference=reference, dtype="fp32", progress=False)
+    _assert_same_tensors(tmp_path / "released", weights)
+    export_to_hf(saved.parent, tmp_path / "text", tokenizer=str(tiny_dataset / "tokenizer"), dtype="fp32",
+                 progress=False)
+    text_only = {n.replace("model.language_model.", "model."): t for n, t in weights.items()
+                 if not n.startswith("model.visual.")}
+    _assert_same_tensors(tmp_path / "text", text_only)
+    config = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert (config["architectures"], config["mtp_num_hidden_layers"]) == (["Qwen3_5ForCausalLM"], 1)
 
 
 @pytest.mark.slow

@@ -93,3 +93,21 @@ def test_pipeline_parallel_2_matches_transformers(hf_model, preset):
     assert abs(last["loss"] - ref_loss) <= 1e-5, (last["loss"], ref_loss)
     assert set(first["grads"]).isdisjoint(last["grads"])
     assert_grads_close({**first["grads"], **last["grads"]}, ref_grads, "PP=2")
+
+
+def test_a_model_with_the_mtp_head_trains_as_transformers_without_it_and_holds_the_head_frozen():
+    """Qwen3.5 with its MTP head (``models/provider.py``: frozen, not run): at TP=2 the trainer's fused loss and
+    every gradient are transformers' (which has no MTP head), and the head takes none."""
+    from tests.models.harness import PRESET
+    from tests.models.hf_mtp import hf_mtp_tensors
+
+    preset = PRESET.replace(mtp_num_layers=1)
+    hf_model = hf_reference(preset=PRESET)
+    head = hf_mtp_tensors(preset)
+    batch = make_batch()
+    ref_loss, ref_grads = hf_loss_and_grads(hf_model, batch)
+    outs = run_distributed(megatron_train_step, 2, 2, 1, False, hf_model.state_dict() | head, batch, preset, True)
+    for rank, out in enumerate(outs):
+        assert abs(out["loss"] - ref_loss) <= 1e-5, (rank, out["loss"], ref_loss)
+        assert_grads_close(out["grads"], ref_grads, f"TP=2 rank {rank}")  # the same names: none of the head's
+        assert set(head) <= set(out["weights"]), rank  # while the model holds it

@@ -7,6 +7,7 @@ from megatron_mimesis.models.config import padded_vocab_size
 from megatron_mimesis.models.mapping import hf_to_megatron, localize_layer_names, megatron_to_hf
 from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.models.qwen3_5.mapping import qwen35_mapping
+from tests.models.hf_mtp import hf_mtp_tensors
 
 # The real 9B head layout (16 q / 4 kv heads; DeltaNet 16 k / 32 v heads) with small widths.
 NINE_B_SHAPED = get_preset("9b").replace(
@@ -26,6 +27,8 @@ def _random_hf_state(preset):
     for k in state:
         if k.endswith("linear_attn.norm.weight"):
             state[k] = (1.0 + 0.2 * state[k]).clamp(0.5, 2.0)
+    if getattr(preset, "mtp_num_layers", 0):
+        state |= hf_mtp_tensors(preset)
     return state
 
 

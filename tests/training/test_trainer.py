@@ -231,3 +231,49 @@ def test_distributed_timeout_minutes_reaches_megatrons_groups():
 
     for timeouts in run_distributed(_group_timeouts, 2):
         assert timeouts == dict.fromkeys(("tp", "pp", "dp", "dp-gloo"), 7 * 60.0)
+
+
+def test_the_mtp_head_is_trained_past_frozen_and_saved_as_imported(tiny_dataset, tiny_hf_checkpoint, tmp_path,
+                                                                   planner):
+    """A Qwen3.5 started from HF weights with an MTP head, trained 3 steps at PP=2 (the head on the last stage): the
+    checkpoint holds the head exactly as the HF tensors give it and no optimizer state for it, the decoder moved,
+    and the plan's checkpoint bytes are what was written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_mimesis.checkpoint.reader import DistCheckpointReader
+    from tests.models.hf_mtp import hf_mtp_tensors
+
+    overrides = {"vocab_size": VOCAB, "mtp_num_layers": 1}
+    preset = get_preset("tiny").replace(**overrides)
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_hf_checkpoint, hf)
+    weights = load_file(str(hf / "model.safetensors")) | hf_mtp_tensors(preset)
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = tmp_path / "ckpt"
+    args = common_args(tiny_dataset, tmp_path, "--pretrained-hf", str(hf), "--pipeline-model-parallel-size", "2",
+                       "--train-iters", "3", "--save", str(ckpt))
+    args[args.index("--model-overrides") + 1] = json.dumps(overrides)
+    run_trainer(2, *args)
+
+    reader = DistCheckpointReader(ckpt)
+    table = {m.megatron: m for m in preset.family.mapping(preset, reader.padded_vocab_size)}
+    head = [name for name in table if name.startswith("mtp.")]
+    assert len(head) == 12
+    for name in head:
+        assert torch.equal(reader.tensor(name), table[name].to_megatron(weights, 1)[0]), name
+    moved = "decoder.layers.3.mlp.linear_fc2.weight"
+    assert not torch.equal(reader.tensor(moved), table[moved].to_megatron(weights, 1)[0])
+    optimizer = _optimizer_keys(reader.dir)  # optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter>
+    assert f"optimizer.state.exp_avg.{moved}" in optimizer and not [k for k in optimizer if ".mtp." in k], optimizer
+    written = sum(f.stat().st_size for f in reader.dir.rglob("*") if f.is_file() and TOKENIZER_SUBDIR not in f.parts)
+    config = TrainConfig(model_overrides=overrides, pipeline_model_parallel_size=2)
+    assert 0 < written - planner.submit(planned_checkpoint_bytes, config, 2).result() < 2**20, written
+
+
+def _optimizer_keys(directory) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return [k for k in FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+            if k.startswith("optimizer.")]

@@ -5,7 +5,7 @@ per-head q/k RMSNorms, the SwiGLU MLP, the embeddings and the untied head. Norm 
 sides (``y = norm(x) * w``), so every entry only moves bits.
 """
 
-from megatron_mimesis.models.mapping import ParamMapping, attention, embedding_and_head, swiglu_mlp
+from megatron_mimesis.models.mapping import ParamMapping, attention, decoder_layer, embedding_and_head, swiglu_mlp
 from megatron_mimesis.models.qwen3.presets import Qwen3Preset
 
 
@@ -13,5 +13,5 @@ def qwen3_mapping(preset: Qwen3Preset, padded_vocab: int) -> list[ParamMapping]:
     """The full table for one model: embeddings, every decoder layer, final norm, and the LM head if untied."""
     table = embedding_and_head(preset, padded_vocab)
     for i in range(preset.num_layers):
-        table += swiglu_mlp(preset, i) + attention(preset, i, output_gate=False)
+        table += swiglu_mlp(preset, *decoder_layer(i)) + attention(preset, *decoder_layer(i), output_gate=False)
     return table

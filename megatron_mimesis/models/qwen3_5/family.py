@@ -67,6 +67,7 @@ class Qwen35Family(ModelFamily):
                 "mrope_interleaved": True,
             },
             mamba_ssm_dtype=DELTANET_STATE_DTYPE,
+            mtp_num_hidden_layers=p.mtp_num_layers,  # not a field of transformers' config: vLLM's MTP drafter reads it
         )
         return Qwen3_5TextConfig(**{**fields, **extra})
 

@@ -10,6 +10,12 @@ Beyond what ``models/mapping.py`` says of every family:
   in HF and zero-centred in megatron, so ``w_megatron = w_hf - 1``. That shift is exact, and so the round trip
   bit-exact, for weights in [0.5, 2] (Sterbenz), which covers trained norm gains; outside that range it is within
   one ulp.
+- The multi-token-prediction head (``mtp.*``, the released checkpoints' one layer), under Megatron-Bridge's names:
+  ``fc`` (applied to ``[norm_e(embedding); norm_h(hidden)]`` on both sides) is megatron's column-parallel
+  ``eh_proj``; ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden`` and ``norm`` are ``enorm``, ``hnorm`` and
+  ``final_layernorm`` (zero-centred on both sides); ``mtp.layers.0`` is a gated-attention decoder layer, megatron's
+  ``mtp_model_layer``. HF keeps one ``fc`` and one set of norms for all its MTP layers and megatron one per layer, so
+  only one MTP layer has a mapping.
 """
 
 from megatron_mimesis.models.mapping import (
@@ -18,6 +24,7 @@ from megatron_mimesis.models.mapping import (
     Replicated,
     Split,
     attention,
+    decoder_layer,
     embedding_and_head,
     swiglu_mlp,
 )
@@ -47,10 +54,30 @@ def _gated_deltanet(p: Qwen35Preset, layer: int) -> list[ParamMapping]:
     ]
 
 
+def _mtp_head(p: Qwen35Preset) -> list[ParamMapping]:
+    if p.mtp_num_layers > 1:
+        raise ValueError(f"mtp_num_layers={p.mtp_num_layers}: HF's Qwen3.5 MTP head shares one fc and its norms "
+                         "between its layers, megatron's MTP layers each have their own; only 1 layer maps")
+    hf, mc = "mtp.", "mtp.layers.0."
+    layer_hf, layer_mc = hf + "layers.0.", mc + "mtp_model_layer."
+    return [
+        Replicated(mc + "enorm.weight", hf + "pre_fc_norm_embedding.weight"),
+        Replicated(mc + "hnorm.weight", hf + "pre_fc_norm_hidden.weight"),
+        Split(mc + "eh_proj.weight", hf + "fc.weight", dim=0),
+        *attention(p, layer_hf, layer_mc, output_gate=True),
+        *swiglu_mlp(p, layer_hf, layer_mc),
+        Replicated(mc + "final_layernorm.weight", hf + "norm.weight"),
+    ]
+
+
 def qwen35_mapping(preset: Qwen35Preset, padded_vocab: int) -> list[ParamMapping]:
-    """The full table for one model: embeddings, every decoder layer, final norm, and the LM head if untied."""
+    """The full table for one model: embeddings, every decoder layer, final norm, the LM head if untied, and the MTP
+    head if the model has one."""
     table = embedding_and_head(preset, padded_vocab)
     for i, kind in enumerate(preset.layer_types()):
-        table += swiglu_mlp(preset, i)
-        table += attention(preset, i, output_gate=True) if kind == "full_attention" else _gated_deltanet(preset, i)
+        table += swiglu_mlp(preset, *decoder_layer(i))
+        table += (attention(preset, *decoder_layer(i), output_gate=True) if kind == "full_attention"
+                  else _gated_deltanet(preset, i))
+    if preset.mtp_num_layers:
+        table += _mtp_head(preset)
     return table

@@ -26,7 +26,8 @@ GPUS_PER_NODE = 8  # the paper's A100 nodes (launch/slurm/*.sbatch)
 def checkpoint_bytes(config, stages) -> int:
     """One checkpoint of ``config``, whose pipeline stages the plan built as ``stages`` (``StageStates``)."""
     tp = config.tensor_model_parallel_size
-    return sum(tp * s.parameters for s in stages) * (_weight_bytes(config) + _optimizer_bytes_per_parameter(config))
+    return tp * sum(s.parameters * _weight_bytes(config)
+                    + (s.parameters - s.frozen_parameters) * _optimizer_bytes_per_parameter(config) for s in stages)
 
 
 def _weight_bytes(config) -> int:

@@ -40,6 +40,7 @@ class StageStates:
     pipeline_rank: int
     chunks: tuple[Chunk, ...]
     parameters: int  # elements of this rank's shard
+    frozen_parameters: int  # of those, the ones that take no gradient (the MTP head): weights without optimizer state
     parameter_bytes: int  # as stored (DDP's padded buffer under the distributed optimizer)
     gradient_bytes: int  # fp32 main gradients
     optimizer_bytes: int  # fp32 master weights (for bf16 parameters) and Adam m, v of this rank's optimizer shard
@@ -81,17 +82,21 @@ def stage_states(config, world_size: int, pipeline_rank: int, microbatches: int)
         ddp = wrap_in_ddp(config, tf_config, chunks)
         buffers = [buffer for model in ddp for buffer in model.buffers + model.expert_parallel_buffers]
         parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        # a frozen parameter (the MTP head, ``models/provider.py``) is in no DDP buffer and has no optimizer state
+        frozen = [p for chunk in chunks for p in chunk.parameters() if not p.requires_grad]
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
         if config.use_distributed_optimizer:
-            parameter_bytes = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+            parameter_bytes = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers) + frozen_bytes
             optimizer_elements = sum(_shard_elements(b) for b in buffers)
         else:
             parameter_bytes = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
-            optimizer_elements = parameters
+            optimizer_elements = parameters - sum(p.numel() for p in frozen)
         master = FP32_MASTER_BYTES if tf_config.params_dtype != torch.float32 else 0
         return StageStates(
             pipeline_rank=pipeline_rank,
             chunks=tuple(_chunk(chunk, config.preset) for chunk in chunks),
             parameters=parameters,
+            frozen_parameters=sum(p.numel() for p in frozen),
             parameter_bytes=parameter_bytes,
             gradient_bytes=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
             optimizer_bytes=optimizer_elements * (master + ADAM_MOMENTS_BYTES),
@@ -148,7 +153,8 @@ def _chunk(chunk, preset) -> Chunk:
 
 def _whole_model_share(chunk, preset, tp: int) -> int:
     """Elements this chunk adds to the whole model: tensor-parallel shards times TP, replicated tensors once, the
-    vocabulary without megatron's padding rows, and a tied output layer's copy on a later stage not at all."""
+    vocabulary without megatron's padding rows, and a tied output layer's copy on a later stage and the frozen MTP
+    head (not run; HF's causal LM has none) not at all."""
     total = 0
     vocab_weights = set()
     if chunk.pre_process:
@@ -156,7 +162,7 @@ def _whole_model_share(chunk, preset, tp: int) -> int:
     if chunk.post_process:
         vocab_weights.add(id(_output_weight(chunk)))
     for p in chunk.parameters():
-        if getattr(p, "shared", False):  # megatron marks the later stage's copy of a tied embedding so
+        if getattr(p, "shared", False) or not p.requires_grad:  # megatron marks the later stage's tied copy so
             continue
         if id(p) in vocab_weights:
             total += preset.vocab_size * p.shape[1]
