@@ -145,7 +145,8 @@ def _model_state(model_chunks) -> dict:
 
 def _sharded_state_dict(model_chunks, optimizer, scheduler, progress: dict, *, is_loading: bool, rng: bool) -> dict:
     state = _model_state(model_chunks)
-    model_sd = {k: v for chunk_sd in state.values() for k, v in chunk_sd.items()}
+    # nested per chunk, not merged: virtual pipeline chunks share module names (each holds its own decoder.layers.0)
+    model_sd = dict(state)
     if is_loading:
         _prepare_adam_for_load(optimizer)
     else:
