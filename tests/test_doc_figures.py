@@ -32,17 +32,17 @@ def quotes(files) -> dict[str, set[str]]:
 
 
 @functools.cache
-def _plan(config: str) -> dict[str, float]:
-    """The figures of ``mimesis-plan``'s table for ``config``, by row name."""
-    out = subprocess.run([sys.executable, "tools/plan.py", "--config", config], cwd=REPO, capture_output=True,
+def _plan(config: str, *flags: str) -> dict[str, float]:
+    """The figures of ``mimesis-plan``'s table for ``config`` (with a stage's ``flags``), by row name."""
+    out = subprocess.run([sys.executable, "tools/plan.py", "--config", config, *flags], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return {name.strip(): float(value) for name, value in
             re.findall(r"^(checkpoint.*?)\s{2,}([\d.]+)(?: s)?\s+(?:exact|planned)", out.stdout, re.MULTILINE)}
 
 
-def _plan_row(config: str, row: str, digits: int) -> str:
-    (value,) = [v for name, v in _plan(config).items() if name.startswith(row)]
+def _plan_row(config: str, row: str, digits: int, *flags: str) -> str:
+    (value,) = [v for name, v in _plan(config, *flags).items() if name.startswith(row)]
     return f"{value:.{digits}f}"
 
 
@@ -81,6 +81,8 @@ MIDTRAIN_9B, MIDTRAIN_4B = "launch/configs/midtrain_9b.yaml", "launch/configs/mi
 DERIVED = {
     "9b.checkpoint_gib": lambda: _plan_row(MIDTRAIN_9B, "checkpoint (weights", 1),
     "4b.checkpoint_gib": lambda: _plan_row(MIDTRAIN_4B, "checkpoint (weights", 1),
+    "9b.trained_mtp_checkpoint_gib": lambda: _plan_row(MIDTRAIN_9B, "checkpoint (weights", 1,
+                                                       "--mtp-loss-scaling-factor", "0.1"),
     "9b.checkpoint_node_share_gib": lambda: _plan_row(MIDTRAIN_9B, "checkpoint share", 0),
     "9b.checkpoint_write_s": lambda: _plan_row(MIDTRAIN_9B, "checkpoint write", 0),
     "9b.midtrain_step_s_40pct": lambda: f"{_midtrain_step_s(MIDTRAIN_9B, 0.40):.0f}",

@@ -144,6 +144,11 @@ class ModelFamily(ABC):
     def forward_flops_per_token(self, preset: Preset, seq_length: int) -> float:
         return FLOPS_PER_MAC * self.matmul_params(preset) + self.sequence_flops_per_token(preset, seq_length)
 
+    def mtp_forward_flops_per_token(self, preset: Preset, seq_length: int) -> float:
+        """Forward FLOPs per token of the multi-token-prediction head, for a run that trains it: none for a family
+        without one."""
+        return 0.0
+
 
 def parameter_count(preset: Preset) -> int:
     """Trained parameters, up to norms and biases (<0.1%): the matmul weights plus an untied input embedding."""

@@ -6,10 +6,14 @@ one-to-one correspondence with HF's decoder layers that the parameter mapping re
 
 A preset with MTP layers (Qwen3.5's released checkpoints have one) gets megatron's ``MultiTokenPredictionBlock`` on
 the last pipeline stage, built from the last decoder layer's spec as megatron's ``get_gpt_mtp_block_spec`` builds it,
-so that its weights are saved, loaded and converted under megatron's (Megatron-Bridge's) names at any layout. It is
-held frozen: its parameters take no gradient and no optimizer state, and the model's forward does not run it (the
-block is not ``GPTModel``'s own ``mtp``, whose forward adds megatron's MTP loss); the head the model was imported
-with is exported with it, for the serving engine's speculative decoding.
+so that its weights are saved, loaded and converted under megatron's (Megatron-Bridge's) names at any layout. Two
+ways, by the megatron config's ``mtp_num_layers``:
+- unset (the default): the head is held frozen. Its parameters take no gradient and no optimizer state, and the
+  model's forward does not run it (the block is not ``GPTModel``'s own ``mtp``); the head the model was imported with
+  is exported with it, for the serving engine's speculative decoding.
+- set (a run that trains the head, ``mtp_loss_scaling_factor``): it is ``GPTModel``'s own ``mtp``, which megatron runs
+  and trains with its MTP loss, keeping a copy of the word embedding on the last stage (tied to the first stage's in
+  gradients and checkpoints); ``training/mtp_loss.py`` computes that loss without the full logits.
 """
 
 import dataclasses
@@ -52,6 +56,7 @@ class ModelProvider:
             raise ImportError("backend='te' needs Transformer Engine, which the [gpu] extra installs: "
                               "pip install -e '.[gpu]' (or leave the backend unset: the local modules run without it)")
         block_spec = self.preset.family.block_spec(self.config, backend, vp_stage=vp_stage)
+        trained_mtp = self._mtp_spec(self.config, block_spec, backend, vp_stage) if self.config.mtp_num_layers else None
         model = GPTModel(
             config=self.config,
             transformer_layer_spec=block_spec,
@@ -64,23 +69,29 @@ class ModelProvider:
             rotary_percent=self.preset.rotary_percent,
             rotary_base=int(self.preset.rotary_base),
             vp_stage=vp_stage,
+            mtp_block_spec=trained_mtp,
         )
         if post_process:
             mark_real_vocab(model.output_layer, self.preset.vocab_size)
         mtp_layers = getattr(self.preset, "mtp_num_layers", 0)
-        if mtp_layers and post_process:
+        if mtp_layers and post_process and not self.config.mtp_num_layers:
             model.mtp = self._frozen_mtp(mtp_layers, block_spec, backend, vp_stage, model.pg_collection)
         return model
 
-    def _frozen_mtp(self, layers: int, block_spec, backend: Backend, vp_stage, pg_collection):
+    @staticmethod
+    def _mtp_spec(config: TransformerConfig, block_spec, backend: Backend, vp_stage):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec, get_gpt_mtp_block_spec_for_backend
-        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
         from megatron_mimesis.models.layer_specs import LocalBackend
 
+        if backend == "te":
+            return get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=True, vp_stage=vp_stage)
+        return get_gpt_mtp_block_spec_for_backend(config, block_spec, backend=LocalBackend(), vp_stage=vp_stage)
+
+    def _frozen_mtp(self, layers: int, block_spec, backend: Backend, vp_stage, pg_collection):
+        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
         config = dataclasses.replace(self.config, mtp_num_layers=layers)
-        spec = (get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=True, vp_stage=vp_stage)
-                if backend == "te" else
-                get_gpt_mtp_block_spec_for_backend(config, block_spec, backend=LocalBackend(), vp_stage=vp_stage))
+        spec = self._mtp_spec(config, block_spec, backend, vp_stage)
         block = MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=vp_stage, pg_collection=pg_collection)
         return block.requires_grad_(False)

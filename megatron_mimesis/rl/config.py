@@ -119,6 +119,9 @@ class RLConfig(TrainConfig):
 
     def validate_without_files(self, world_size: int) -> None:
         super().validate_without_files(world_size)
+        if self.mtp_loss_scaling_factor:
+            raise ConfigError("mtp_loss_scaling_factor: the RL stages keep the multi-token-prediction head frozen as "
+                              "loaded (its loss is a language-model loss on given text, not a policy's); leave it 0")
         if self.generation_timeout_s is not None and self.generation_timeout_s >= self.distributed_timeout_minutes * 60:
             raise ConfigError(
                 f"generation_timeout_s {self.generation_timeout_s:g} is not below distributed_timeout_minutes "

@@ -152,6 +152,10 @@ class TrainConfig:
     distributed_timeout_minutes: int = 10
     # size overrides of the preset (the demo sets vocab_size from its tokenizer)
     model_overrides: dict = field(default_factory=dict)
+    mtp_loss_scaling_factor: float = field(default=0.0, metadata={"help": (
+        "for a model with a multi-token-prediction head (Qwen3.5's): 0 keeps the head frozen, saved and exported as "
+        "the model was imported with; above 0 trains it with megatron's MTP loss at this weight (Megatron-LM's "
+        "default is 0.1), so that the head the serving engine drafts with follows the trained model (docs/checkpoint_keys.md)")})
     # the memory plan that --dry-run prints and the launcher checks before any rank starts (training/memory/)
     gpu: str = field(default=DEFAULT_GPU, metadata={"help": (
         f"the GPU each rank runs on, whose memory the plan must fit: one of {sorted(GPU_MEMORY_GIB)}")})
@@ -172,6 +176,7 @@ class TrainConfig:
         "seed": NON_NEGATIVE, "exit_interval": AT_LEAST_1, "gpu_memory_gib": POSITIVE, "keep_last_n": AT_LEAST_1,
         "keep_every": AT_LEAST_1, "ckpt_write_gb_per_s": POSITIVE,
         "max_consecutive_skipped_iters": AT_LEAST_1, "distributed_timeout_minutes": AT_LEAST_1,
+        "mtp_loss_scaling_factor": NON_NEGATIVE,
         # the preset's sizes, as model_overrides may set them (checked on the resolved preset, where its family has them)
         **{f"{MODEL_OVERRIDES}.{name}": AT_LEAST_1 for name in (
             "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -294,6 +299,9 @@ class TrainConfig:
 
             if select_backend() != "te":
                 raise ConfigError("context_parallel_size > 1 needs Transformer Engine attention (a GPU with [gpu])")
+        if self.mtp_loss_scaling_factor and not getattr(preset, "mtp_num_layers", 0):
+            raise ConfigError(f"mtp_loss_scaling_factor: the model {self.model!r} has no multi-token-prediction head "
+                              f"(mtp_num_layers 0) to train; leave it 0")
         mp = self.model_parallel_size()
         if world_size % mp:
             raise ConfigError(f"world size {world_size} is not a multiple of TP*PP*CP = {mp}")

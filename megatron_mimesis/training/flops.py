@@ -13,8 +13,9 @@ of its DeltaNet layers. A packed row's documents never attend to each other: a d
 trainer measures from the rows' ``cu_seqlens`` and logs), well below the row length when samples are short (the
 paper's ~449-token conversation samples in 24576-token rows: counting whole rows over-reported MFU by ~9%).
 
-Training = 3 x forward (backward computes gradients of activations and of weights, 1x forward each). The
-MTP layer is not trained by our stages and not counted.
+Training = 3 x forward (backward computes gradients of activations and of weights, 1x forward each). A run that
+trains the multi-token-prediction head (``mtp_loss_scaling_factor``) counts its layer and its second pass through
+the LM head too (Qwen3.5-9B at 24576: +15%); a frozen head does no work.
 
 Check against the issue's ~5.8e10 FLOPs per token for Qwen3.5-9B at length 24576: this module gives 5.29e10 for
 training (1.76e10 forward). The issue's figure is what the common 6*N shortcut gives with N = all 8.95e9
@@ -63,9 +64,10 @@ def model_flops_per_token(preset: Preset, seq_length: float) -> float:
     return preset.family.forward_flops_per_token(preset, seq_length)
 
 
-def train_flops_per_token(preset: Preset, seq_length: int) -> float:
-    """Forward + backward FLOPs per token (3 x forward), the numerator of MFU."""
-    return 3.0 * model_flops_per_token(preset, seq_length)
+def train_flops_per_token(preset: Preset, seq_length: int, trained_mtp: bool = False) -> float:
+    """Forward + backward FLOPs per token (3 x forward), the numerator of MFU; ``trained_mtp``: with the MTP head's."""
+    mtp = preset.family.mtp_forward_flops_per_token(preset, seq_length) if trained_mtp else 0.0
+    return 3.0 * (model_flops_per_token(preset, seq_length) + mtp)
 
 
 def mfu(tokens_per_second_per_gpu: float, preset: Preset, seq_length: int, peak_flops: float) -> float:

@@ -15,9 +15,12 @@ def model_config(config: TrainConfig, **overrides):
     if config.recompute_granularity:
         recompute = dict(recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
                          recompute_num_layers=config.recompute_num_layers)
+    mtp = {}
+    if config.mtp_loss_scaling_factor:  # megatron runs and trains the head (models/provider.py)
+        mtp = dict(mtp_num_layers=config.preset.mtp_num_layers, mtp_loss_scaling_factor=config.mtp_loss_scaling_factor)
     return transformer_config(config.preset, config.parallel,
                               params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
-                              calculate_per_token_loss=True, **{**recompute, **overrides})
+                              calculate_per_token_loss=True, **{**recompute, **mtp, **overrides})
 
 
 def model_chunks(provider, config: TrainConfig) -> list:

@@ -129,6 +129,10 @@ class Trainer:
         c = self.config
         dtype = torch.bfloat16 if c.bf16 else torch.float32
         self.tf_config = model_config(c)
+        if c.mtp_loss_scaling_factor:
+            from megatron_mimesis.training.mtp_loss import use_fused_mtp_loss
+
+            use_fused_mtp_loss()
         self.provider = ModelProvider(c.preset, self.tf_config)
         chunks = self.build_chunks()
         if c.pretrained_hf:
@@ -207,33 +211,41 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def _reduce_loss(self, losses) -> tuple[float, int, float]:
-        """(mean loss over the global batch, loss tokens, attended length per token), identical on every rank."""
+    def _reduce_loss(self, losses) -> tuple[float, int, float, list[float]]:
+        """(mean loss over the global batch, loss tokens, attended length per token, each trained MTP layer's mean
+        loss), identical on every rank."""
         from megatron.core import parallel_state
 
+        from megatron_mimesis.training.mtp_loss import take_mtp_losses
+
+        mtp_layers = self.tf_config.mtp_num_layers or 0
         total = torch.zeros(4, dtype=torch.float64, device=self.device)
         for item in losses:
             total += torch.cat([item["lm loss"].to(total), item["documents"].to(total)])
+        total = torch.cat([total, take_mtp_losses(mtp_layers, self.device).flatten()])
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage has losses; share them with the first stage (rank 0 logs)
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), (total[2] / total[3]).item()
+        mtp = total[4:].view(-1, 2)
+        return ((total[0] / total[1].clamp(min=1)).item(), int(total[1].item()), (total[2] / total[3]).item(),
+                (mtp[:, 0] / mtp[:, 1].clamp(min=1)).tolist())
 
     def train_step(self, data_iterator) -> dict:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(data_iterator, forward_only=False)
-        loss, tokens, attended = self._reduce_loss(losses)
+        loss, tokens, attended, mtp_losses = self._reduce_loss(losses)
         lr = self.optimizer.param_groups[0]["lr"]
+        result = {"loss": loss, "tokens": tokens, "skipped": True, "grad_norm": None, "lr": lr, "attended": attended,
+                  **{f"mtp_{depth}_loss": value for depth, value in enumerate(mtp_losses, 1)}}
         if not math.isfinite(loss):
-            return {"loss": loss, "tokens": tokens, "skipped": True, "grad_norm": None, "lr": lr, "attended": attended}
+            return result
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        return {"loss": loss, "tokens": tokens, "skipped": not ok, "grad_norm": grad_norm, "lr": lr,
-                "attended": attended}
+        return result | {"skipped": not ok, "grad_norm": grad_norm}
 
     def evaluate(self) -> float:
         c = self.config
@@ -319,7 +331,8 @@ class Trainer:
             if it % c.log_interval == 0:
                 tokens_per_sec = c.global_batch_size * c.seq_length / elapsed
                 # causal attention within each packed document: its cost per token follows sum L^2 / sum L
-                achieved = tokens_per_sec * train_flops_per_token(c.preset, result["attended"]) / self.world_size
+                flops = train_flops_per_token(c.preset, result["attended"], trained_mtp=bool(c.mtp_loss_scaling_factor))
+                achieved = tokens_per_sec * flops / self.world_size
                 log.step({
                     "iteration": it, "loss": result["loss"], "lr": result["lr"],
                     "grad_norm": result["grad_norm"], "loss_tokens": result["tokens"],
@@ -328,6 +341,7 @@ class Trainer:
                     "attended_length": result["attended"],
                     "step_time_s": elapsed, "skipped_iters": progress["skipped_iters"],
                     "consumed_samples": progress["consumed_samples"], "max_memory_gb": _max_memory_gb(),
+                    **{k: v for k, v in result.items() if k.startswith("mtp_")},
                 })
             if diverged:
                 log.message(f"{diverged}; stopping without saving (the last checkpoint is intact)")

@@ -113,9 +113,10 @@ def _forward_step(fused_loss, data_iterator, model):
 
 
 def megatron_train_step(rank, world_size, tp, pp, sequence_parallel, hf_state, batch, preset=PRESET,
-                        fused_loss=False):
+                        fused_loss=False, config_overrides=None):
     """One forward/backward through megatron's schedule with DDP and grad finalisation: the loss (last stage),
-    this stage's HF-named grads and weights, and the output layer's local gradient, padding rows included."""
+    this stage's HF-named grads and weights, and the output layer's local gradient, padding rows included.
+    ``config_overrides`` set TransformerConfig fields; with ``mtp_num_layers`` the MTP loss is the trainer's."""
     from functools import partial
 
     from megatron.core import parallel_state
@@ -131,7 +132,11 @@ def megatron_train_step(rank, world_size, tp, pp, sequence_parallel, hf_state, b
     model_parallel_cuda_manual_seed(0)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               sequence_parallel=sequence_parallel)
-    module, config, provider = build_megatron_from_hf(hf_state, parallel, preset=preset)
+    if (config_overrides or {}).get("mtp_num_layers"):
+        from megatron_mimesis.training.mtp_loss import use_fused_mtp_loss
+
+        use_fused_mtp_loss()
+    module, config, provider = build_megatron_from_hf(hf_state, parallel, preset=preset, **(config_overrides or {}))
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                     module=module)
     config.finalize_model_grads_func = finalize_grads

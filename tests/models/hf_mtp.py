@@ -19,3 +19,41 @@ def hf_mtp_tensors(preset, seed: int = 0) -> dict[str, torch.Tensor]:
                                                  ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
               **{f"{MTP}layers.0.{k}": tuple(v.shape) for k, v in layer.state_dict().items()}}
     return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def hf_mtp_loss_and_grads(model, head: dict[str, torch.Tensor], batch: dict, scale: float):
+    """The objective of a run that trains the head, from transformers' Qwen3.5 (``model``) with the head wired as
+    vLLM's drafter runs it: at position t, ``fc(cat(pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])))``
+    through ``layers.0`` and ``norm`` to the shared ``lm_head`` predicts x[t+2], where h is the model's last hidden
+    state. The main masked mean cross entropy plus ``scale`` times the head's, over the positions of the loss mask
+    rolled left once (the last one has no x[t+2]); returns it and every gradient (the head's under its HF names)."""
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    config = model.config
+    h, eps = config.hidden_size, config.rms_norm_eps
+    mtp = torch.nn.ModuleDict({
+        "fc": torch.nn.Linear(2 * h, h, bias=False),
+        **{n: Qwen3_5RMSNorm(h, eps) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
+        "layers": torch.nn.ModuleList([Qwen3_5DecoderLayer(config, config.layer_types.index("full_attention"))]),
+    })
+    mtp.load_state_dict({k.removeprefix(MTP): v for k, v in head.items()})
+    model.zero_grad()
+    tokens, labels, mask = batch["tokens"], batch["labels"], batch["loss_mask"]
+    hidden = model.model(tokens).last_hidden_state
+    ce = lambda hs, y: F.cross_entropy(model.lm_head(hs).flatten(0, 1).float(), y.flatten(), reduction="none")  # noqa: E731
+    main = (ce(hidden, labels) * mask.flatten()).sum() / mask.sum()
+    next_tokens = torch.cat([tokens[:, 1:], labels[:, -1:]], dim=1)
+    x = mtp["fc"](torch.cat([mtp["pre_fc_norm_embedding"](model.model.embed_tokens(next_tokens)),
+                             mtp["pre_fc_norm_hidden"](hidden)], dim=-1))
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    causal = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    x = mtp["layers"][0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=causal,
+                         position_ids=positions)
+    mtp_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+    mtp_labels = torch.cat([labels[:, 1:], torch.zeros_like(labels[:, :1])], dim=1)
+    loss = main + scale * (ce(mtp["norm"](x), mtp_labels) * mtp_mask.flatten()).sum() / mtp_mask.sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.item(), grads | {MTP + n: p.grad.detach().clone() for n, p in mtp.named_parameters()}

@@ -111,3 +111,30 @@ def test_a_model_with_the_mtp_head_trains_as_transformers_without_it_and_holds_t
         assert abs(out["loss"] - ref_loss) <= 1e-5, (rank, out["loss"], ref_loss)
         assert_grads_close(out["grads"], ref_grads, f"TP=2 rank {rank}")  # the same names: none of the head's
         assert set(head) <= set(out["weights"]), rank  # while the model holds it
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2-sp", "pp2"])
+def test_a_trained_mtp_head_learns_what_vllms_drafter_runs(tp, pp):
+    """A run that trains the head (megatron's MTP block and loss, the loss fused in ``training/mtp_loss.py``): the
+    objective and every gradient, the head's and the word embedding's (which the head reads too) included, are those
+    of transformers' model with the head wired as vLLM's drafter runs it, at TP=2 with sequence parallelism and at
+    PP=2 (the head and its copy of the embedding on the last stage, its gradient summed into the first's)."""
+    from tests.models.harness import PRESET
+    from tests.models.hf_mtp import hf_mtp_loss_and_grads, hf_mtp_tensors
+
+    preset, scale = PRESET.replace(mtp_num_layers=1), 0.3
+    hf_model = hf_reference(preset=PRESET)
+    head = {name: t * 0.1 if name.endswith(("fc.weight", "proj.weight")) else t
+            for name, t in hf_mtp_tensors(preset).items()}
+    batch = make_batch()
+    ref_loss, ref_grads = hf_mtp_loss_and_grads(hf_model, head, batch, scale)
+    outs = run_distributed(megatron_train_step, tp * pp, tp, pp, tp > 1, hf_model.state_dict() | head, batch,
+                           preset, True, {"mtp_num_layers": 1, "mtp_loss_scaling_factor": scale})
+    last = outs[-1]
+    assert abs(last["loss"] - ref_loss) > 1e-3  # the head's loss is not in the logged value, but is in the gradients
+    grads = {**outs[0]["grads"], **last["grads"]}
+    assert set(head) <= set(grads)
+    assert_grads_close(grads, ref_grads, f"TP={tp} PP={pp}")
+    if pp > 1:  # both stages' copies of the word embedding took the whole gradient
+        name = "model.embed_tokens.weight"
+        assert torch.equal(outs[0]["grads"][name], last["grads"][name])

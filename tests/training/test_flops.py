@@ -55,6 +55,16 @@ def test_9b_close_to_issue_estimate():
     assert abs(value - 5.8e10) / 5.8e10 < 0.10
 
 
+def test_a_trained_9b_mtp_head_by_hand():
+    # fc 4096 x 8192; gated attention: q+gate 4096*(2*16*256), k,v 4096*(2*4*256), o 4096*4096; MLP 3*4096*12288;
+    # the LM head again 4096 x 248320; causal attention at S=24576: 2 * 24576 * 16 heads * 256
+    params = 4096 * 8192 + 4096 * 8192 + 4096 * 2048 + 4096 * 4096 + 3 * 4096 * 12288 + 4096 * 248320
+    preset = PRESETS["9b"]
+    extra = flops.train_flops_per_token(preset, 24576, trained_mtp=True) - flops.train_flops_per_token(preset, 24576)
+    assert extra == 3 * (2 * params + 2 * 24576 * 16 * 256)
+    assert flops.train_flops_per_token(TINY, 256, trained_mtp=True) == flops.train_flops_per_token(TINY, 256)  # no head
+
+
 def test_mfu_arithmetic():
     per_token = flops.train_flops_per_token(PRESETS["9b"], 24576)
     assert flops.mfu(1000.0, PRESETS["9b"], 24576, 312e12) == pytest.approx(1000.0 * per_token / 312e12)

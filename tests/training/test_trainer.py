@@ -233,24 +233,30 @@ def test_distributed_timeout_minutes_reaches_megatrons_groups():
         assert timeouts == dict.fromkeys(("tp", "pp", "dp", "dp-gloo"), 7 * 60.0)
 
 
+def _with_mtp_head(hf_checkpoint, directory):
+    """The tiny HF checkpoint with an MTP head added: the model overrides, the preset, its tensors, its directory."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.hf_mtp import hf_mtp_tensors
+
+    overrides = {"vocab_size": VOCAB, "mtp_num_layers": 1}
+    preset = get_preset("tiny").replace(**overrides)
+    shutil.copytree(hf_checkpoint, directory)
+    weights = load_file(str(directory / "model.safetensors")) | hf_mtp_tensors(preset)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return overrides, preset, weights, directory
+
+
 def test_the_mtp_head_is_trained_past_frozen_and_saved_as_imported(tiny_dataset, tiny_hf_checkpoint, tmp_path,
                                                                    planner):
     """A Qwen3.5 started from HF weights with an MTP head, trained 3 steps at PP=2 (the head on the last stage): the
     checkpoint holds the head exactly as the HF tensors give it and no optimizer state for it, the decoder moved,
     and the plan's checkpoint bytes are what was written."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from megatron_mimesis.checkpoint.reader import DistCheckpointReader
-    from tests.models.hf_mtp import hf_mtp_tensors
 
-    overrides = {"vocab_size": VOCAB, "mtp_num_layers": 1}
-    preset = get_preset("tiny").replace(**overrides)
-    hf = tmp_path / "hf"
-    shutil.copytree(tiny_hf_checkpoint, hf)
-    weights = load_file(str(hf / "model.safetensors")) | hf_mtp_tensors(preset)
-    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    overrides, preset, weights, hf = _with_mtp_head(tiny_hf_checkpoint, tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
     args = common_args(tiny_dataset, tmp_path, "--pretrained-hf", str(hf), "--pipeline-model-parallel-size", "2",
                        "--train-iters", "3", "--save", str(ckpt))
@@ -270,6 +276,50 @@ def test_the_mtp_head_is_trained_past_frozen_and_saved_as_imported(tiny_dataset,
     written = sum(f.stat().st_size for f in reader.dir.rglob("*") if f.is_file() and TOKENIZER_SUBDIR not in f.parts)
     config = TrainConfig(model_overrides=overrides, pipeline_model_parallel_size=2)
     assert 0 < written - planner.submit(planned_checkpoint_bytes, config, 2).result() < 2**20, written
+
+
+def test_a_trained_mtp_head_trains_alike_in_one_process_and_at_pp2_vpp2(tiny_dataset, tiny_hf_checkpoint, tmp_path,
+                                                                        planner):
+    """mtp_loss_scaling_factor > 0: megatron runs the head and trains it with the fused MTP loss. One process and
+    PP=2 with interleaving (the head and its copy of the word embedding on the last virtual stage, the copy's gradient
+    summed with the first stage's) follow the same losses, MTP losses and gradient norms; the checkpoint holds the
+    moved head with its optimizer state, in the bytes the plan gives, and the interleaved run resumes from it exactly
+    (virtual chunks share module names: their state dicts were once merged, losing all but the last chunk's)."""
+    from megatron_mimesis.checkpoint.reader import DistCheckpointReader
+
+    overrides, preset, weights, hf = _with_mtp_head(tiny_hf_checkpoint, tmp_path / "hf")
+    runs = {"single": (1, []), "vpp": (2, ["--pipeline-model-parallel-size", "2",
+                                           "--virtual-pipeline-model-parallel-size", "2"])}
+    for name, (nproc, layout) in runs.items():
+        args = common_args(tiny_dataset, tmp_path / name, "--pretrained-hf", str(hf), "--train-iters", "3",
+                           "--mtp-loss-scaling-factor", "0.3", "--save", str(tmp_path / name / "ckpt"),
+                           "--save-interval", "2", *layout)
+        args[args.index("--model-overrides") + 1] = json.dumps(overrides)
+        run_trainer(nproc, *args)
+    single, vpp = (read_metrics(tmp_path / name) for name in runs)
+    for key in ("loss", "mtp_1_loss", "grad_norm"):
+        ours, theirs = [r[key] for r in single], [r[key] for r in vpp]
+        assert len(ours) == 3 and max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= LAYOUT_TOL, key
+    assert single[2]["mtp_1_loss"] < single[0]["mtp_1_loss"]  # the head learns
+
+    reader = DistCheckpointReader(tmp_path / "vpp" / "ckpt")
+    table = {m.megatron: m for m in preset.family.mapping(preset, reader.padded_vocab_size)}
+    moved = "mtp.layers.0.eh_proj.weight"
+    assert not torch.equal(reader.tensor(moved), table[moved].to_megatron(weights, 1)[0])
+    assert f"optimizer.state.exp_avg.{moved}" in _optimizer_keys(reader.dir)
+    written = sum(f.stat().st_size for f in reader.dir.rglob("*") if f.is_file() and TOKENIZER_SUBDIR not in f.parts)
+    config = TrainConfig(model_overrides=overrides, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, mtp_loss_scaling_factor=0.3)
+    assert 0 < written - planner.submit(planned_checkpoint_bytes, config, 2).result() < 2**20, written
+    (tmp_path / "vpp" / "ckpt" / "latest").write_text("2\n")
+    args = common_args(tiny_dataset, tmp_path / "resumed", "--train-iters", "3", "--mtp-loss-scaling-factor", "0.3",
+                       "--load", str(tmp_path / "vpp" / "ckpt"), *runs["vpp"][1])
+    args[args.index("--model-overrides") + 1] = json.dumps(overrides)
+    run_trainer(2, *args)
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["iteration"] for r in resumed] == [3]
+    for key in ("loss", "mtp_1_loss", "grad_norm"):
+        assert abs(resumed[0][key] - vpp[2][key]) <= LAYOUT_TOL, (key, resumed, vpp)
 
 
 def _optimizer_keys(directory) -> list[str]:

@@ -61,6 +61,10 @@ def test_every_numeric_option_and_preset_size_has_a_range(cls):
     ({"model_overrides": {"num_heads": 8}}, r"model_overrides: unknown Qwen3.5 preset field\(s\) \['num_heads'\]"),
     ({"model": "qwen3-tiny", "model_overrides": {"linear_num_key_heads": 8}},
      r"model_overrides: unknown Qwen3 preset field\(s\) \['linear_num_key_heads'\]"),
+    ({"mtp_loss_scaling_factor": -0.1}, "mtp_loss_scaling_factor must be at least 0, got -0.1"),
+    ({"mtp_loss_scaling_factor": 0.1}, "mtp_loss_scaling_factor: the model 'tiny' has no multi-token-prediction head "
+                                       r"\(mtp_num_layers 0\) to train; leave it 0"),
+    ({"model": "qwen3-tiny", "mtp_loss_scaling_factor": 0.1}, "mtp_loss_scaling_factor: the model 'qwen3-tiny' has no"),
 ])
 def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes, reason):
     with pytest.raises(ConfigError, match=f"^{reason}") as info:
@@ -78,6 +82,8 @@ def test_numeric_options_out_of_range_are_refused_in_one_line(tmp_path, changes,
     (AgentRLConfig, {"gamma": 1.5}, r"gamma must be in \[0, 1\], got 1.5"),
     (AgentRLConfig, {"lr": 0.0}, "lr must be greater than 0, got 0"),
     (AgentRLConfig, {"csd_alpha": -0.01}, "csd_alpha must be at least 0, got -0.01"),
+    (SimulatorRLConfig, {"mtp_loss_scaling_factor": 0.1, "model_overrides": {"mtp_num_layers": 1}},
+     "mtp_loss_scaling_factor: the RL stages keep the multi-token-prediction head frozen as loaded"),
 ])
 def test_rl_options_out_of_range_are_refused(cls, changes, reason):
     with pytest.raises(ConfigError, match=f"^{reason}"):

@@ -5,7 +5,8 @@ Qwen3: attention + MLP; ``ModelFamily.layer_kinds``) is built from the model's o
 dtype and with the fusion and recompute settings of a GPU run, and runs forward on a short packed row while
 :class:`~megatron_mimesis.training.memory.saved.SavedTensors` counts what autograd keeps, with the GPU kernels'
 saved sets declared by ``gpu_kernels.py``. The same is done for the embedding and for the head (final norm, the
-gather under sequence parallelism, the loss). Each is measured at two row lengths and fitted as
+gather under sequence parallelism, the loss), and for a run that trains the MTP head, megatron's MTP layer with the
+same loss on its output. Each is measured at two row lengths and fitted as
 ``per_token * tokens + fixed``; on the GPU path nothing grows faster than the tokens (TE's attention keeps no S x S
 scores), which the tests check at a third length. Measurements are cached per distinct layout and width, so a plan
 of several candidate layouts measures each once; and on disk (``~/.cache/megatron-mimesis/activation-fits``, under
@@ -60,6 +61,7 @@ class Activations:
     embedding: Linear
     head: Linear
     layer_input_per_token: float
+    mtp: Linear | None = None  # one trained MTP layer and its loss (None: the spec trains no MTP head)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class MeasureSpec:
     selective_recompute: bool
     fusions: tuple[tuple[str, bool], ...]
     head: object  # callable(hidden_states, output_layer, config, tokens) -> loss: the stage's loss on the last stage
+    trained_mtp: bool = False  # the run trains the MTP head: its layer and loss are measured with the head
 
 
 def measurement_lengths(spec: MeasureSpec) -> tuple[int, int]:
@@ -95,11 +98,13 @@ def lm_head(hidden_states, output_layer, config, tokens: int):
 def measure(spec: MeasureSpec) -> Activations:
     """The fits of every module of the spec: the layers and the embedding once per layout and width, the head once
     more per loss."""
-    body = _fits(dataclasses.replace(spec, head=None))
+    body = _fits(dataclasses.replace(spec, head=None, trained_mtp=False))
     element = 2 if spec.bf16 else 4
     local_share = spec.context_parallel * (spec.tensor_parallel if spec.sequence_parallel else 1)
+    head = _fits(spec)
     return Activations(layers={kind: body[kind] for kind in layer_kinds(spec.preset)}, embedding=body["embedding"],
-                       head=_fits(spec)["head"], layer_input_per_token=spec.preset.hidden_size * element / local_share)
+                       head=head["head"], layer_input_per_token=spec.preset.hidden_size * element / local_share,
+                       mtp=head.get("mtp"))
 
 
 @functools.cache
@@ -174,7 +179,8 @@ def _config(spec: MeasureSpec):
 
 def _modules(spec: MeasureSpec, config) -> dict:
     """name -> (module, run(tokens) -> what must stay alive until counted): every layer kind and the embedding,
-    or with a head in the spec only the head (final norm, output layer, loss)."""
+    or with a head in the spec only the head (final norm, output layer, loss) and, for a trained MTP head, the MTP
+    layer (its embedding lookup, norms, ``eh_proj``, decoder layer and final norm) with the same loss."""
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -187,9 +193,14 @@ def _modules(spec: MeasureSpec, config) -> dict:
     sp_split = spec.tensor_parallel if spec.sequence_parallel else 1
     blocks = preset.family.block_spec(config, "local")
     small_vocab = padded_vocab_size(64, spec.tensor_parallel)  # the vocabulary's size changes no activation
+    rotary = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=preset.rotary_percent,
+                             rotary_base=int(preset.rotary_base), use_cpu_initialization=True)
 
     def hidden(tokens):
         return torch.zeros(tokens // sp_split, 1, preset.hidden_size, dtype=dtype, requires_grad=True)
+
+    def packed(tokens):
+        return packed_seq_params({"cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32), "max_seqlen": tokens})
 
     if spec.head is not None:
         final_norm = _zeroed(build_module(blocks.layer_norm, config=config, hidden_size=preset.hidden_size,
@@ -198,14 +209,12 @@ def _modules(spec: MeasureSpec, config) -> dict:
                                             init_method=config.init_method, bias=False, gather_output=False)
         mark_real_vocab(output_layer, 64)
         head = torch.nn.ModuleList([final_norm, output_layer])
-        return {"head": (head, lambda tokens: spec.head(final_norm(hidden(tokens)), output_layer, config, tokens))}
+        modules = {"head": (head, lambda tokens: spec.head(final_norm(hidden(tokens)), output_layer, config, tokens))}
+        if spec.trained_mtp:
+            modules["mtp"] = _mtp_module(spec, config, blocks, output_layer, hidden, rotary, packed, small_vocab)
+        return modules
 
     types = preset.family.layer_kind_of(preset)
-    rotary = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=preset.rotary_percent,
-                             rotary_base=int(preset.rotary_base), use_cpu_initialization=True)
-
-    def packed(tokens):
-        return packed_seq_params({"cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32), "max_seqlen": tokens})
 
     modules = {}
     for kind in layer_kinds(preset):
@@ -224,6 +233,32 @@ def _modules(spec: MeasureSpec, config) -> dict:
 
     modules["embedding"] = (embedding, run_embedding)
     return modules
+
+
+def _mtp_module(spec: MeasureSpec, config, blocks, output_layer, hidden, rotary, packed, vocab: int):
+    """megatron's MTP block of one layer, as the provider builds it for a run that trains the head, and a run of it
+    on the main model's hidden states followed by the spec's loss on its output."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    from megatron_mimesis.models.layer_specs import LocalBackend
+
+    config = dataclasses.replace(config, mtp_num_layers=1)
+    block = MultiTokenPredictionBlock(config=config, spec=get_gpt_mtp_block_spec_for_backend(
+        config, blocks, backend=LocalBackend()))
+    embedding = LanguageModelEmbedding(config=config, vocab_size=vocab, max_sequence_length=1 << 20,
+                                       position_embedding_type="rope")
+    module = _zeroed(torch.nn.ModuleList([block, embedding]))
+
+    def run(tokens):
+        ids = torch.zeros(1, tokens, dtype=torch.long)
+        out = block(input_ids=ids, position_ids=ids, hidden_states=hidden(tokens), attention_mask=None,
+                    rotary_pos_emb=rotary(tokens, packed_seq=True), packed_seq_params=packed(tokens),
+                    embedding=embedding)
+        return spec.head(torch.chunk(out, 2, dim=0)[1], output_layer, config, tokens)
+
+    return module, run
 
 
 def _zeroed(module):

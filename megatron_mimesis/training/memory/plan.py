@@ -172,7 +172,8 @@ def measure_spec(config, workload: Workload) -> MeasureSpec:
         preset=config.preset, tensor_parallel=config.tensor_model_parallel_size,
         context_parallel=config.context_parallel_size, sequence_parallel=config.sequence_parallel, bf16=config.bf16,
         selective_recompute=config.recompute_granularity == "selective",
-        fusions=tuple(sorted(gpu_run_fusions().items())), head=workload.head)
+        fusions=tuple(sorted(gpu_run_fusions().items())), head=workload.head,
+        trained_mtp=bool(config.mtp_loss_scaling_factor))
 
 
 _stage_cache: dict = {}
@@ -329,6 +330,9 @@ def _activations(table: _Table, config, workload: Workload, acts: Activations, s
     edges += sum(acts.head.at(tokens) for c in stage.in_flight if stage.chunks[c].computes_loss)
     if edges:
         table.add("activations: embedding, final norm, loss", column, edges, _MEASURED, "activations")
+    mtp = sum(stage.chunks[c].trained_mtp_layers for c in stage.in_flight)
+    if mtp:
+        table.add("activations: MTP head (trained)", column, mtp * acts.mtp.at(tokens), _MEASURED, "activations")
     loss_chunk = next((c for c in stage.chunks if c.computes_loss), None)
     loss = loss_backward_bytes(config, tokens, loss_chunk.vocab_rows) if loss_chunk is not None else 0.0
     if any(c.embeds for c in stage.chunks):

@@ -31,6 +31,7 @@ class Chunk:
     embeds: bool
     computes_loss: bool
     vocab_rows: int  # output-layer rows on this tensor-parallel rank (padded); 0 without the loss
+    trained_mtp_layers: int = 0  # MTP layers megatron runs here (a run training the head; a frozen head runs none)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,9 @@ def _chunk(chunk, preset) -> Chunk:
     kinds = preset.family.layer_kind_of(preset)
     layers = tuple(kinds[layer.layer_number - 1] for layer in chunk.decoder.layers)
     rows = _output_weight(chunk).shape[0] if chunk.post_process else 0
-    return Chunk(layers=layers, embeds=chunk.pre_process, computes_loss=chunk.post_process, vocab_rows=rows)
+    mtp = len(chunk.mtp.layers) if chunk.mtp_process else 0
+    return Chunk(layers=layers, embeds=chunk.pre_process, computes_loss=chunk.post_process, vocab_rows=rows,
+                 trained_mtp_layers=mtp)
 
 
 def _whole_model_share(chunk, preset, tp: int) -> int:

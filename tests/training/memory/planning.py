@@ -73,10 +73,11 @@ def activations_at_another_length(preset_name: str, tp: int, head: str, third_le
     heads = {"lm": lm_head, "policy": PolicyHead(csd=True, kl=True, weighted=True)}
     spec = MeasureSpec(preset=get_preset(preset_name), tensor_parallel=tp, context_parallel=1,
                        sequence_parallel=tp > 1, bf16=True, selective_recompute=False,
-                       fusions=tuple(sorted(gpu_run_fusions().items())), head=heads[head])
+                       fusions=tuple(sorted(gpu_run_fusions().items())), head=heads[head], trained_mtp=head == "lm")
     fits = measure(spec)
-    planned = {**fits.layers, "embedding": fits.embedding, "head": fits.head}
-    measured = {**saved_bytes_at(spec.__class__(**{**spec.__dict__, "head": None}), [third_length]),
+    planned = {**fits.layers, "embedding": fits.embedding, "head": fits.head, **({"mtp": fits.mtp} if fits.mtp else {})}
+    measured = {**saved_bytes_at(spec.__class__(**{**spec.__dict__, "head": None, "trained_mtp": False}),
+                                 [third_length]),
                 **saved_bytes_at(spec, [third_length])}
     return {name: (planned[name].at(third_length), measured[name][0][1]) for name in planned}
 

@@ -77,14 +77,15 @@ def test_state_bytes_equal_a_real_tiny_runs_sharded_states(planner):
 @pytest.mark.parametrize("preset, tp, head", [("9b", 4, "lm"), ("tiny", 2, "policy"), ("qwen3-8b", 4, "policy")])
 def test_activation_fits_predict_the_bytes_measured_at_another_length(planner, preset, tp, head):
     """The plan scales what it measured at two short rows to any length; here it is checked against the saved tensors
-    of the same real modules measured at a third length (9B at the paper's TP=4 with the LM loss, tiny at TP=2 and
-    Qwen3-8B at TP=4 with the GRPO + CSD + KL loss): every layer kind, the embedding and the head agree to the
-    byte."""
+    of the same real modules measured at a third length (9B at the paper's TP=4 with the LM loss and a trained MTP
+    head, tiny at TP=2 and Qwen3-8B at TP=4 with the GRPO + CSD + KL loss): every layer kind, the embedding, the head
+    and the MTP layer with its loss agree to the byte."""
     from megatron_mimesis.models.presets import get_preset
 
     third = 5 * 32 * tp  # measurement_lengths: 64 and 128 tokens per TP rank
     result = planner.submit(planning.activations_at_another_length, preset, tp, head, third).result()
-    assert set(result) == {*get_preset(preset).family.layer_kinds, "embedding", "head"}
+    mtp = {"mtp"} if head == "lm" else set()
+    assert set(result) == {*get_preset(preset).family.layer_kinds, "embedding", "head", *mtp}
     for name, (planned, measured) in result.items():
         assert measured > 0 and planned == pytest.approx(measured, abs=0.5), name
 
