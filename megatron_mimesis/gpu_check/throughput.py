@@ -9,8 +9,13 @@ figure, and the step's peak ``torch.cuda.max_memory_allocated`` against the plan
 gradients, activations, backward temporaries), within ``PLAN_TOLERANCE``. The same model then takes one micro-batch of
 the agent-RL update as ``rl/update/policy_step.py`` computes it (a 32768-token row: the GRPO + CSD loss, each token
 weighed by the rollout correction), against the update column of the agent-RL plan of the same model.
+
+:func:`stage_agent` does the same for the agent's family, Qwen3-8B, on the workload its plan is tight for: 4 layers at
+its width and its 151936-row head take the 32768-token agent-RL micro-batch, timed, each layer's saved tensors and the
+step's peak against the agent-RL plan of the same model.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -36,6 +41,8 @@ RL_UPDATE_TOKENS = 32768
 RL_UPDATE_RUN = {"stage": "rl_agent", "model": "9b",
                  "model_overrides": {"num_layers": THROUGHPUT_LAYERS, "mtp_num_layers": 0}, "bf16": True,
                  "engine": "vllm", "max_tokens_per_microbatch": RL_UPDATE_TOKENS, "csd_alpha": 0.01}
+# the agent's family: Qwen3-8B's layers at the agent-RL update, the workload its plan is tightest for
+AGENT_RL_UPDATE_RUN = {**RL_UPDATE_RUN, "model": "qwen3-8b", "model_overrides": {"num_layers": THROUGHPUT_LAYERS}}
 PLAN_TOLERANCE = 0.10
 # the plan's rows this step allocates (no optimizer step, and the context is outside the allocator)
 ALLOCATED_KINDS = ("parameters", "gradients", "activations", "temporaries")
@@ -67,19 +74,14 @@ def stage_throughput(rec: StageRecorder) -> None:
     import torch
 
     from megatron_mimesis.data.collate import packed_seq_params
-    from megatron_mimesis.models.provider import ModelProvider
-    from megatron_mimesis.training.config import TrainConfig
     from megatron_mimesis.training.flops import device_peak_flops, train_flops_per_token
     from megatron_mimesis.training.loss import lm_loss_output_processor
     from megatron_mimesis.training.memory.saved import SavedTensors
-    from megatron_mimesis.training.model import model_config, wrap_in_ddp
 
     plan_child = start_plan(rec.path.parent)
     rl_plan_child = start_plan(rec.path.parent, RL_UPDATE_RUN)
     init_one_rank_megatron()
-    run = TrainConfig(**{k: v for k, v in THROUGHPUT_RUN.items() if k != "stage"})
-    preset, tf_config = run.preset, model_config(run)
-    (model,) = wrap_in_ddp(run, tf_config, [ModelProvider(preset, tf_config, backend="te")().cuda()])
+    model, preset = _trainer_model(THROUGHPUT_RUN)
     tokens = torch.randint(0, preset.vocab_size, (1, THROUGHPUT_SEQ), device="cuda")
     positions = torch.arange(THROUGHPUT_SEQ, device="cuda")[None]
     mask = torch.ones(1, THROUGHPUT_SEQ, device="cuda")
@@ -117,7 +119,30 @@ def stage_throughput(rec: StageRecorder) -> None:
     layer_bytes = _saved_bytes_per_layer(model.module, forward, SavedTensors)
     _check_plan(rec, planned_step(plan_child), peak_bytes, layer_bytes, preset)
     _extrapolate(rec, model.module, tokens, mask, seconds, peak_flops, preset)
-    _check_rl_update(rec, model, preset, planned_step(rl_plan_child))
+    _check_rl_update(rec, model, preset, planned_step(rl_plan_child), RL_UPDATE_RUN)
+
+
+def stage_agent(rec: StageRecorder) -> None:
+    """The agent's family (Qwen3-8B): its layers take one micro-batch of the agent-RL update as ``stage_throughput``'s
+    do, and each layer's saved tensors and the step's peak are checked against the agent-RL plan of the same model."""
+    plan_child = start_plan(rec.path.parent, AGENT_RL_UPDATE_RUN)
+    init_one_rank_megatron()
+    model, preset = _trainer_model(AGENT_RL_UPDATE_RUN)
+    _check_rl_update(rec, model, preset, planned_step(plan_child), AGENT_RL_UPDATE_RUN, check_layers=True)
+
+
+def _trainer_model(run: dict):
+    """The one-rank model chunk ``run`` (a stage config's fields) trains, as the trainer builds it: Transformer
+    Engine spec, this GPU's fusions, megatron's DDP with fp32 main gradients; and its preset."""
+    from megatron_mimesis.models.provider import ModelProvider
+    from megatron_mimesis.training.config import TrainConfig
+    from megatron_mimesis.training.model import model_config, wrap_in_ddp
+
+    fields = {k: v for k, v in run.items() if k in {f.name for f in dataclasses.fields(TrainConfig)} - {"stage"}}
+    config = TrainConfig(**fields)
+    preset, tf_config = config.preset, model_config(config)
+    (model,) = wrap_in_ddp(config, tf_config, [ModelProvider(preset, tf_config, backend="te")().cuda()])
+    return model, preset
 
 
 def _saved_bytes_per_layer(module, forward, meter_cls) -> list[int]:
@@ -138,12 +163,16 @@ def _saved_bytes_per_layer(module, forward, meter_cls) -> list[int]:
     return [meter.bytes for meter in meters]
 
 
-def _check_plan(rec: StageRecorder, planned: dict, peak_bytes: int, layer_bytes: list[int], preset) -> None:
+def _check_layers(rec: StageRecorder, planned: dict, layer_bytes: list[int], preset) -> None:
     kinds = preset.family.layer_kind_of(preset)
     for index, measured in enumerate(layer_bytes):
         kind = kinds[index]
-        rec.row(check=f"layer {index} ({kind}) saved tensors vs plan", measured_gib=measured / 2**30,
+        rec.row(check=f"{preset.name} layer {index} ({kind}) saved tensors vs plan", measured_gib=measured / 2**30,
                 planned_gib=planned["layer_gib"][kind], ratio=measured / 2**30 / planned["layer_gib"][kind])
+
+
+def _check_plan(rec: StageRecorder, planned: dict, peak_bytes: int, layer_bytes: list[int], preset) -> None:
+    _check_layers(rec, planned, layer_bytes, preset)
     rec.note("plan: megatron's torch.compile'd GDN and output-gate helpers are counted eagerly there, an upper bound; "
              "a layer ratio below 1 is what compiling them saves")
     ratio = peak_bytes / 2**30 / planned["allocated_gib"]
@@ -156,9 +185,10 @@ def _check_plan(rec: StageRecorder, planned: dict, peak_bytes: int, layer_bytes:
                            f"{planned['allocated_gib']:.2f} GiB (tolerance {PLAN_TOLERANCE:.0%})")
 
 
-def _check_rl_update(rec: StageRecorder, model, preset, planned: dict) -> None:
+def _check_rl_update(rec: StageRecorder, model, preset, planned: dict, run: dict, check_layers: bool = False) -> None:
     """One micro-batch of the agent-RL update, built and lost as ``rl/update/policy_step.py`` does (one row: half
-    context, half response; old, teacher and rollout-correction fields), and its peak against the plan's update."""
+    context, half response; old, teacher and rollout-correction fields): its time, its peak against the plan's update
+    and, with ``check_layers``, each layer's saved tensors against the plan's."""
     from functools import partial
 
     import torch
@@ -166,30 +196,39 @@ def _check_rl_update(rec: StageRecorder, model, preset, planned: dict) -> None:
     from megatron_mimesis.data.collate import packed_seq_params
     from megatron_mimesis.rl.update.policy_step import PolicyLossConfig, _policy_output_processor
     from megatron_mimesis.rl.update.rows import StepRows
+    from megatron_mimesis.training.memory.saved import SavedTensors
 
-    half = RL_UPDATE_TOKENS // 2
-    ids = torch.randint(0, preset.vocab_size, (RL_UPDATE_TOKENS,)).tolist()
+    tokens = run["max_tokens_per_microbatch"]
+    half = tokens // 2
+    ids = torch.randint(0, preset.vocab_size, (tokens,)).tolist()
     rows = StepRows.of([(ids[:half], ids[half:])], {name: [[value] * half] for name, value in (
         ("old_logprobs", -2.0), ("teacher_logprobs", -1.5), ("rollout_weights", 1.0))})
     batch = rows.microbatch([0], torch.tensor([0.5]), 1, torch.device("cuda"))
-    loss_config = PolicyLossConfig(csd_alpha=RL_UPDATE_RUN["csd_alpha"])
+    loss_config = PolicyLossConfig(csd_alpha=run["csd_alpha"])
+
+    def forward():
+        return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed_seq_params(batch),
+                     output_processor=partial(_policy_output_processor, loss_config, True, batch))[0]
 
     def step():
         model.zero_grad_buffer()
-        loss_sum, _ = model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed_seq_params(batch),
-                            output_processor=partial(_policy_output_processor, loss_config, True, batch))
-        loss_sum.backward()
+        forward().backward()
 
     step()  # warm-up: the policy loss kernel's compilation
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
     step()
     torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated() / 2**30
     ratio = peak / planned["allocated_gib"]
     within = abs(ratio - 1) <= PLAN_TOLERANCE
-    rec.row(check=f"agent-RL update, one {RL_UPDATE_TOKENS}-token micro-batch, peak vs plan (update column)",
-            measured_gib=peak, planned_gib=planned["allocated_gib"], ratio=ratio, status="ok" if within else "failed")
+    rec.row(check=f"{preset.name} agent-RL update, {THROUGHPUT_LAYERS} layers, one {tokens}-token micro-batch, peak "
+            "vs plan (update column)", measured_gib=peak, planned_gib=planned["allocated_gib"], ratio=ratio,
+            step_s=seconds, tokens_per_s=tokens / seconds, status="ok" if within else "failed")
+    if check_layers:
+        _check_layers(rec, planned, _saved_bytes_per_layer(model.module, forward, SavedTensors), preset)
     if not within:
         raise RuntimeError(f"the agent-RL update's peak allocated {peak:.2f} GiB is {ratio:.2f}x the plan's "
                            f"{planned['allocated_gib']:.2f} GiB (tolerance {PLAN_TOLERANCE:.0%})")
