@@ -52,7 +52,7 @@ def test_slurm_dry_run_has_paper_layout(fake):
     assert "memory plan per GPU: 9b, TP=4 (SP) PP=1 DP=8 on 32 GPUs;" in out
     # after the GPU total, in the same table: the checkpoint, the busiest node's share of it (a quarter: every rank
     # writes its own), its write time and the sbatch lead times from them
-    assert re.search(r"^total \(GiB\) .*\ncheckpoint \(weights, fp32 main copy, Adam m, v\) +116\.\d\d  exact", out, re.M)
+    assert re.search(r"^total \(GiB\) .*\ncheckpoint \(weights, fp32 main copy, Adam m, v\) +117\.\d\d  exact", out, re.M)
     assert re.search(r"^checkpoint share of the busiest of 4 nodes +29\.\d\d  planned", out, re.M)
     assert re.search(r"^checkpoint write at 1 GB/s per node +31\.\d s  planned", out, re.M)
     assert re.search(r"^SLURM lead: sbatch --signal=B:USR1@ +360 s .*\nSLURM lead: SHUTDOWN_TIMEOUT +240 s ", out, re.M)
@@ -62,7 +62,7 @@ def test_slurm_dry_run_has_paper_layout(fake):
 
 
 def test_slurm_launch_refuses_a_save_directory_without_room_before_srun(fake):
-    """The paper's mid-training keeps 7 checkpoints of 116.8 GiB at once: the launcher's pre-check, whose memory plan
+    """The paper's mid-training keeps 7 checkpoints of 117.2 GiB at once: the launcher's pre-check, whose memory plan
     sizes them, refuses a disk without room for them in one line, and the job never reaches srun."""
     tmp_path, env = fake
     job = {k: v for k, v in midtrain_job(env, tmp_path).items() if k != "MIMESIS_SAVE_DIR_CHECKED"}
@@ -70,7 +70,7 @@ def test_slurm_launch_refuses_a_save_directory_without_room_before_srun(fake):
     assert result.returncode == 2 and after_config_line(result, "midtrain", MIDTRAIN_9B, PAPER_RUN) == ""
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"error: save: no space left for the checkpoints of this run in {tmp_path}: ")
-    assert line.endswith(" needed (7 checkpoints of about 116.8 GiB on disk at once)"), line
+    assert line.endswith(" needed (7 checkpoints of about 117.2 GiB on disk at once)"), line
     assert not (tmp_path / "log" / "srun").exists()
 
 
