@@ -184,13 +184,12 @@ def _eval_env(stage: Stage) -> tuple[str, dict, str]:
     known, _ = parser.parse_known_args(stage.args)
     if known.env is None:
         raise PipelineError(f"{stage.where}.args: no --env (tools/eval_agent.py --help)")
+    from megatron_mimesis.eval.agents import EvalError, parse_env_options
+
     try:
-        options = json.loads(known.env_options)
-    except json.JSONDecodeError as exc:
-        raise PipelineError(f"{stage.where}.args: --env-options is not JSON: {exc.msg}") from None
-    if not isinstance(options, dict):
-        raise PipelineError(f"{stage.where}.args: --env-options must be a JSON object")
-    return known.env, options, known.split
+        return known.env, parse_env_options(known.env_options), known.split
+    except EvalError as exc:
+        raise PipelineError(f"{stage.where}.args: {exc}") from None
 
 
 def _check_env(stage: Stage, env: str, options: dict, split: str) -> None:

@@ -138,6 +138,17 @@ def test_the_paper_chain_refuses_at_submit_an_env_that_would_not_load_on_its_nod
                            f"not load ("), line
 
 
+def test_an_evaluation_stages_env_options_that_are_not_a_json_object_are_refused_at_submit(tmp_path, paper_inputs):
+    """eval_agent's own reading of --env-options (eval/agents.py), as its stage's args are checked at submit."""
+    path = paper_with_gyms_here(tmp_path)
+    paper = yaml.safe_load(path.read_text())
+    args = paper["stages"]["agent_eval"]["args"]
+    args[args.index("--env-options") + 1] = "[1]"
+    path.write_text(yaml.safe_dump(paper, sort_keys=False))
+    line = one_line_error(pipeline("submit", path, "--dry-run", "--run-dir", tmp_path / "r", *paper_inputs))
+    assert line == f"error: {path}: stages.agent_eval.args: --env-options must be a JSON object", line
+
+
 def test_the_paper_chain_dry_run_prints_every_job_with_its_layout_dependency_and_plan(tmp_path, paper_inputs):
     paper = paper_with_gyms_here(tmp_path)
     result = pipeline("submit", paper, "--dry-run", "--run-dir", tmp_path, *paper_inputs)
