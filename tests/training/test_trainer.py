@@ -251,15 +251,15 @@ def _with_mtp_head(hf_checkpoint, directory):
 
 def test_the_mtp_head_is_trained_past_frozen_and_saved_as_imported(tiny_dataset, tiny_hf_checkpoint, tmp_path,
                                                                    planner):
-    """A Qwen3.5 started from HF weights with an MTP head, trained 3 steps at PP=2 (the head on the last stage): the
-    checkpoint holds the head exactly as the HF tensors give it and no optimizer state for it, the decoder moved,
-    and the plan's checkpoint bytes are what was written."""
+    """A Qwen3.5 started from HF weights with an MTP head, trained 3 steps at PP=2 with interleaving (the head on the
+    last virtual stage): the checkpoint holds the head exactly as the HF tensors give it and no optimizer state for
+    it, the decoder moved, and the plan's checkpoint bytes are what was written."""
     from megatron_mimesis.checkpoint.reader import DistCheckpointReader
 
     overrides, preset, weights, hf = _with_mtp_head(tiny_hf_checkpoint, tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
     args = common_args(tiny_dataset, tmp_path, "--pretrained-hf", str(hf), "--pipeline-model-parallel-size", "2",
-                       "--train-iters", "3", "--save", str(ckpt))
+                       "--virtual-pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(ckpt))
     args[args.index("--model-overrides") + 1] = json.dumps(overrides)
     run_trainer(2, *args)
 
@@ -274,7 +274,8 @@ def test_the_mtp_head_is_trained_past_frozen_and_saved_as_imported(tiny_dataset,
     optimizer = _optimizer_keys(reader.dir)  # optimizer.state.{param,exp_avg,exp_avg_sq}.<parameter>
     assert f"optimizer.state.exp_avg.{moved}" in optimizer and not [k for k in optimizer if ".mtp." in k], optimizer
     written = sum(f.stat().st_size for f in reader.dir.rglob("*") if f.is_file() and TOKENIZER_SUBDIR not in f.parts)
-    config = TrainConfig(model_overrides=overrides, pipeline_model_parallel_size=2)
+    config = TrainConfig(model_overrides=overrides, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2)
     assert 0 < written - planner.submit(planned_checkpoint_bytes, config, 2).result() < 2**20, written
 
 
