@@ -397,6 +397,12 @@ class TrainConfig:
                 f"keeps the checkpoint's LR schedule and data order, so resume with its values, or start a new "
                 f"schedule from its weights with --finetune"
             )
+        if self.mtp_loss_scaling_factor and not saved.get("mtp_loss_scaling_factor", 0):
+            raise ConfigError(
+                f"load: {path} was saved with the MTP head frozen (mtp_loss_scaling_factor 0), so it holds no "
+                f"optimizer state for the head a resume would train; start training the head from its weights with "
+                f"--finetune, or resume with mtp_loss_scaling_factor 0"
+            )
 
     def planned_saves(self) -> list[int]:
         """The iterations a run of this config (with ``save``) saves at when nothing stops it early: every
