@@ -180,11 +180,12 @@ _stage_cache: dict = {}
 
 
 def cached_stage_states(config, world_size: int, pipeline_rank: int, microbatches: int) -> StageStates:
-    """:func:`stage_states`, once per distinct model, layout and optimizer (a plan's candidates share them)."""
+    """:func:`stage_states`, once per distinct model, layout and optimizer (a plan's candidates share them); a trained
+    MTP head is another model (its optimizer state, the last stage's embedding copy)."""
     key = (config.preset, config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
            config.virtual_pipeline_model_parallel_size, config.context_parallel_size, config.sequence_parallel,
            config.bf16, config.use_distributed_optimizer, config.overlap_grad_reduce, config.overlap_param_gather,
-           world_size, pipeline_rank, microbatches)
+           bool(config.mtp_loss_scaling_factor), world_size, pipeline_rank, microbatches)
     if key not in _stage_cache:
         _stage_cache[key] = stage_states(config, world_size, pipeline_rank, microbatches)
     return _stage_cache[key]
