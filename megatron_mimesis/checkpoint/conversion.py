@@ -4,10 +4,11 @@ Export streams: one megatron tensor is read from the dist checkpoint (any TP/PP 
 group), turned into its HF tensors and appended to a size-bounded safetensors shard, so peak memory is
 about one layer plus one output shard. With the original directory as reference, the output keeps its
 architecture, config and key names (a multimodal ``Qwen3_5ForConditionalGeneration``'s ``model.language_model.*``)
-and whatever else it holds (a vision tower; the MTP head when the checkpoint has none) is copied unchanged; without it, the output is the
-family's text-only causal LM (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``). Either way the export is a servable user simulator (:mod:`.serving`: its chat template,
-generation config and token ids). Import streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor
-is read, mapped and written into a weights-only dist checkpoint that the trainer loads at any layout with
+and whatever else it holds (a vision tower; the MTP head when the checkpoint has none) is copied unchanged; without
+it, the output is the family's text-only causal LM (``Qwen3_5ForCausalLM``, ``Qwen3ForCausalLM``). Either way the
+export is a servable user simulator (:mod:`.serving`: its chat template, generation config and token ids). Import
+streams too (:mod:`megatron_mimesis.checkpoint.hf_import`): one HF tensor is read, mapped and written into a
+weights-only dist checkpoint that the trainer loads at any layout with
 ``--load DIR --finetune``. Both write into a temporary directory renamed at the end.
 """
 
@@ -96,8 +97,9 @@ def export_to_hf(checkpoint: str | Path, out: str | Path, *, iteration: int | No
         written = set()
         for entry in tqdm(table, desc="export", unit="tensor", disable=not progress):
             for name, tensor in entry.to_hf([reader.tensor(entry.megatron)]).items():
-                written.add(stored_name(name, multimodal))
-                writer.add(stored_name(name, multimodal), tensor.to(cast))
+                name = stored_name(name, multimodal)
+                written.add(name)
+                writer.add(name, tensor.to(cast))
         if ref_state is not None:
             rest = {name: where for name, where in ref_state.stored().items() if name not in written}
             for name in tqdm(sorted(rest), desc="copy the reference's other tensors", disable=not progress):

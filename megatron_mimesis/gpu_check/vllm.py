@@ -5,7 +5,6 @@ import time
 from megatron_mimesis.gpu_check.record import StageRecorder
 from megatron_mimesis.gpu_check.world import init_one_rank_megatron
 
-VLLM_PRESETS = ("tiny", "qwen3-tiny")  # one per family: the simulator's Qwen3.5, the agent's Qwen3
 VLLM_VOCAB = 520  # megatron pads it to 576
 VLLM_ROWS = ([[11, 40, 7, 301, 9], [5, 6], [250, 12, 13]], [[17, 18, 19, 20], [99, 3, 7], [400, 2]])
 # a small KV-cache share: the stage checks that sleep frees it, not how far it goes
@@ -27,9 +26,11 @@ def stage_vllm(rec: StageRecorder) -> None:
     except ImportError as error:
         rec.note(f"vLLM stage not run: {error}")
         return
+    from megatron_mimesis.models.presets import TINY_PRESETS
+
     init_one_rank_megatron()
     failures = []
-    for index, name in enumerate(VLLM_PRESETS):
+    for index, name in enumerate(TINY_PRESETS):  # one per family
         failures += _check_family(rec, name, check_sleep=index == 0)
     if failures:
         raise SystemExit("vllm stage: " + "; ".join(failures))

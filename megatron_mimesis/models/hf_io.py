@@ -4,8 +4,9 @@ A text-only causal LM (``Qwen3ForCausalLM``, an exported ``Qwen3_5ForCausalLM``)
 ``lm_head.weight`` and, with a multi-token-prediction head, ``mtp.*``. A multimodal one (the released
 ``Qwen3_5ForConditionalGeneration``) keeps the decoder's weights under ``model.language_model.*`` beside a vision
 tower (``model.visual.*``) and the same ``mtp.*``. Training is text-only, so reading yields the text model under the
-causal LM's names, the names the parameter mappings use, and remembers which layout the directory had. Both directions stream: a tensor is read when asked for, and written
-shards are flushed at a size bound, so a 9B model is never held twice.
+causal LM's names, the names the parameter mappings use, and remembers which layout the directory had. Both
+directions stream: a tensor is read when asked for, and written shards are flushed at a size bound, so a 9B model is
+never held twice.
 """
 
 import json
@@ -77,9 +78,7 @@ class LazyHFState(Mapping):
                         self._where[text_name] = (path, name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        path, stored = self._where[name]
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(stored)
+        return self.read_stored(self._where[name])
 
     def stored(self) -> dict[str, tuple[Path, str]]:
         """Every tensor of the directory under its stored name: the text model's and the others."""
