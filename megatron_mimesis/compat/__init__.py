@@ -9,7 +9,9 @@ from megatron_mimesis.compat.cpu import (
     cpu_compat_enabled,
     cuda_is_usable,
     enable_cpu_compat,
+    enable_cpu_compat_in_thread,
     prepare_cpu_process,
 )
 
-__all__ = ["compute_device", "cpu_compat_enabled", "cuda_is_usable", "enable_cpu_compat", "prepare_cpu_process"]
+__all__ = ["compute_device", "cpu_compat_enabled", "cuda_is_usable", "enable_cpu_compat", "enable_cpu_compat_in_thread",
+           "prepare_cpu_process"]

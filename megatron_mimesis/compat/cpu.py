@@ -245,6 +245,14 @@ def cpu_compat_enabled() -> bool:
     return _enabled
 
 
+def enable_cpu_compat_in_thread() -> None:
+    """In a thread of its own (the RL rollout worker): torch function modes are per thread, so a thread started
+    after :func:`enable_cpu_compat` pushes its own CUDA-to-CPU mode before it runs megatron-core. A no-op where the
+    adaptation is off."""
+    if _enabled:
+        _CudaToCpuMode().__enter__()  # for the life of the thread
+
+
 def compute_device() -> torch.device:
     """The device model tensors live on: the local GPU, or the CPU when the adaptation is active."""
     if cuda_is_usable() and not _enabled:

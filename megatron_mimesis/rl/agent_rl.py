@@ -172,10 +172,10 @@ class AgentRL(RLLoop):
                     "teacher_minus_student": mean([a - b for a, b in zip(teacher[k], row.response_logprobs, strict=True)]),
                 }) + "\n")
 
-    def step(self, step: int) -> dict:
-        from megatron_mimesis.rl.agent.csd import gate_statistics
-        from megatron_mimesis.rl.agent.episodes import agent_rows
-
+    def generate(self, step: int, checks) -> tuple:
+        """This data-parallel rank's episodes for the step (ids made unique across ranks), scored; the env's
+        scoring failures; the seconds taken. ``checks``: the loop's stop points (``RLLoop`` or the rollout
+        worker's)."""
         c = self.config
         start = time.perf_counter()
         mine, offset = self.my_share(self.sampler.sample(c.tasks_per_step))
@@ -183,21 +183,30 @@ class AgentRL(RLLoop):
         try:
             episodes = self.runner.run(self.suite, mine, c.rollouts_per_prompt,
                                        step_seed=self.step_seed(step),
-                                       stop_requested=self.rollouts_must_stop)
+                                       stop_requested=checks.rollouts_must_stop)
         finally:
             self.engine.sleep()
-        self.stop_point("rollouts")
+        checks.stop_point("rollouts")
         for e in episodes:
             e.group_id += offset
             e.rollout_id += offset * c.rollouts_per_prompt
         score_failures = self._score(episodes)
         rollout_time = time.perf_counter() - start
+        checks.stop_point("scoring")
+        return episodes, score_failures, rollout_time
+
+    def train(self, step: int, rollouts: tuple) -> dict:
+        from megatron_mimesis.rl.agent.csd import gate_statistics
+        from megatron_mimesis.rl.agent.episodes import agent_rows
+
+        c = self.config
+        episodes, score_failures, rollout_time = rollouts
         record = {"rollout_time_s": rollout_time, **self.replica_spread(rollout_time),
                   "score_failures": sum(score_failures.values()),
                   **{f"score_failures/{reason}": n for reason, n in score_failures.items()}}
-        self.stop_point("scoring")
         rows = agent_rows(episodes, c.gamma, self.suite.name)
-        on_policy = self.on_policy_rows([row for row, _, _ in rows])
+        on_policy, staleness = self.on_policy_rows([row for row, _, _ in rows], step)
+        record.update(staleness)
         rows = [(row, episode, t) for row, (_, episode, t) in zip(on_policy, rows, strict=True)]
         self.stop_point("old log-probs")
         teacher = None

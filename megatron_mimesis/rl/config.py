@@ -16,6 +16,7 @@ from megatron_mimesis.models.presets import TINY_PRESETS
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
 ENGINES = ("local", "vllm")
+OFF_POLICY_LOSSES = ("decoupled", "behaviour")
 DELTANET_STATE_DTYPES = ("float32", "bfloat16")
 
 
@@ -38,6 +39,19 @@ class RLConfig(TrainConfig):
     # state rounded to bf16 at every decoded token; tools/bench_mismatch.py prints both sizes for a preset and
     # measures the mismatch each gives
     engine_deltanet_state_dtype: str = "float32"
+    # Asynchronous RL (rl/rollout_worker.py). None: the synchronous loop, the engine asleep while the trainer steps.
+    # An integer: a worker thread plays the next steps on the engine's own copy of the policy while the trainer
+    # trains, at most this many policy versions (updates) ahead of the weights that train on its rows; 0 takes turns
+    # with the trainer and equals the synchronous loop bit for bit. Typical bounds are 1-4 (AReaL's eta <= 4
+    # lost no accuracy; prime-rl's default is 8).
+    max_staleness: int | None = None
+    # The loss on rows sampled by other weights than the trainer's (vLLM's numerics, an older version): "decoupled"
+    # (AReaL's decoupled PPO, the default) clips the ratio to the trainer's own policy before the update (the old
+    # log-probs recomputed) and weighs every token by the rollout correction of that policy against the sampler's,
+    # which covers the engine's numerics and the staleness alike; "behaviour" (veRL's bypass mode,
+    # use_rollout_log_probs) takes the sampler's log-probs as the old ones: the clip bounds the update against the
+    # policy that sampled, with no recompute pass and no correction weights
+    off_policy_loss: str = "decoupled"
     rollouts_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 512
     temperature: float = 1.0
@@ -74,6 +88,7 @@ class RLConfig(TrainConfig):
     RANGES: ClassVar[dict[str, Range]] = {
         **TrainConfig.RANGES,
         "generation_timeout_s": POSITIVE,
+        "max_staleness": NON_NEGATIVE,
         "rollouts_per_prompt": Range(2),  # group statistics need two rollouts
         "max_new_tokens": AT_LEAST_1,
         "temperature": NON_NEGATIVE,  # 0: greedy
@@ -134,7 +149,18 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"engine=local decodes with the training model itself, with no KV cache and full "
                               f"[tokens, vocab] logits per decoded token: the tiny presets' CPU engine "
                               f"{TINY_PRESETS}, not one for {self.model!r}; use engine=vllm")
+        if self.max_staleness is not None:
+            if self.engine != "local":
+                raise ConfigError(f"max_staleness: the rollout worker runs the local engine on its own copy of the "
+                                  f"policy; engine={self.engine} keeps the synchronous loop (unset max_staleness)")
+            if self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1:
+                raise ConfigError(
+                    f"max_staleness: the rollout worker's copy of the policy runs on a thread of its own without "
+                    f"collectives, at tensor and pipeline parallel size 1, not {self.tensor_model_parallel_size} x "
+                    f"{self.pipeline_model_parallel_size} (its collectives would meet the trainer's on the same "
+                    f"process groups)")
         for name, allowed in (("engine_deltanet_state_dtype", DELTANET_STATE_DTYPES),
+                              ("off_policy_loss", OFF_POLICY_LOSSES),
                               ("rollout_correction", ROLLOUT_CORRECTIONS),
                               ("rollout_correction_level", ROLLOUT_CORRECTION_LEVELS)):
             if getattr(self, name) not in allowed:

@@ -1,6 +1,8 @@
 """What both RL stages share around their step: the trainer, the rollout engine, the process-group roles, and
 the run (restore, log, checkpoint with the task sampler's position, stop on signals), so simulator RL and agent
-RL differ only in ``step``.
+RL differ only in their step's two halves: ``generate`` (draw the step's tasks, play and score them) and ``train``
+(the rows, their old log-probs, the update). The synchronous loop runs one after the other; with ``max_staleness``
+set a rollout worker runs ``generate`` of the next steps while this one trains (``rollout_worker.py``).
 
 Inside a model-parallel group (TP x PP) every rank must see the same rollouts, so anything that may call a
 remote endpoint (a counterpart, a judge, a coach, a user model) runs on the group's first rank and its answer
@@ -38,7 +40,9 @@ def on_group_leader(fn, group):
 
 
 class RLLoop:
-    """Subclasses set ``self.sampler`` (``state_dict``/``load_state_dict``), ``headline`` and ``step(i)``."""
+    """Subclasses set ``self.sampler`` (``state_dict``/``load_state_dict``) and ``headline``, and define
+    ``generate(step, checks)`` (the step's tasks drawn, played and scored; ``checks`` gives the stop points) and
+    ``train(step, rollouts)`` (the update on them, at policy version ``step``; returns the step's record)."""
 
     headline: tuple[str, ...] = ()
 
@@ -60,6 +64,7 @@ class RLLoop:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.reference = self.frozen_copy(config.kl_reference) if config.kl_coef else None
         self.exit_signal = None  # set by run when the config handles preemption signals
+        self.worker = None  # the rollout worker, while run runs one (max_staleness)
         self._phase_start, self._longest_phase = time.perf_counter(), 0.0  # between two stop points of a step
 
     def frozen_copy(self, source: str) -> list:
@@ -68,15 +73,13 @@ class RLLoop:
         from pathlib import Path
 
         from megatron_mimesis.checkpoint.trainer_state import load_model_weights
+        from megatron_mimesis.rl.engines.factory import policy_copy
 
-        chunks = self.trainer.build_chunks()
+        chunks = policy_copy(self.trainer)
         if (Path(source) / "config.json").exists():
             self.trainer.load_hf(chunks, source)
         else:
             load_model_weights(source, chunks, self.config.preset)
-        for chunk in chunks:
-            chunk.eval()
-            chunk.requires_grad_(False)
         return chunks
 
     def loss_config(self, **extra):
@@ -126,16 +129,45 @@ class RLLoop:
         every = torch.cat(every)
         return {"rollout_time_max_s": every.max().item(), "rollout_time_spread_s": (every.max() - every.min()).item()}
 
-    def on_policy_rows(self, rows: list) -> list:
-        """The rows with the trainer's own old log-probs: as sampled when the engine is the training model,
-        recomputed (the engine's kept beside them for the rollout correction) when another engine sampled them.
-        Every consumer of the student's log-probs (the update, the CSD gate, the placebo correction) reads these."""
-        from megatron_mimesis.rl.engines.factory import samples_with_training_model
+    def step(self, step: int) -> dict:
+        """One synchronous step: its rollouts, then its update."""
+        return self.train(step, self.generate(step, self))
+
+    def on_policy_rows(self, rows: list, version: int) -> tuple[list, dict]:
+        """The rows with the update's old log-probs, and the record of their staleness (with a rollout worker).
+
+        With ``off_policy_loss: decoupled`` the old log-probs are the trainer's own, at ``version``: as sampled when
+        the engine is the training model, or the worker's copy of it at that version; else recomputed, the sampler's
+        kept beside them for the rollout correction. With ``behaviour`` they are the sampler's. Every consumer of the
+        student's log-probs (the update, the CSD gate, the placebo correction) reads these."""
+        from megatron_mimesis.rl.engines.factory import samples_with_policy_copy, samples_with_training_model
         from megatron_mimesis.rl.update.scoring import recompute_old_logprobs
 
-        if samples_with_training_model(self.engine, self.trainer):
-            return rows
-        return recompute_old_logprobs(self.trainer.model, rows, self.config.max_tokens_per_microbatch, self.device)
+        record = self._staleness(rows, version) if self.worker is not None else {}
+        if samples_with_training_model(self.engine, self.trainer) or self.config.off_policy_loss == "behaviour":
+            return rows, record
+        redo = [i for i, row in enumerate(rows)
+                if not (samples_with_policy_copy(self.engine) and row.policy_version == version)]
+        rows = list(rows)
+        recomputed = recompute_old_logprobs(self.trainer.model, [rows[i] for i in redo],
+                                            self.config.max_tokens_per_microbatch, self.device)
+        for i, row in zip(redo, recomputed, strict=True):
+            rows[i] = row
+        return rows, record
+
+    def _staleness(self, rows: list, version: int) -> dict:
+        """The step's rows by how many versions their sampler lagged the trainer's ``version``, over every
+        data-parallel rank. The worker starts a step only within the bound, so a row past it is a defect."""
+        bound = self.config.max_staleness
+        lags = [version - row.policy_version for row in rows]
+        if any(not 0 <= lag <= bound for lag in lags):
+            raise RuntimeError(f"rows sampled {sorted(set(lags))} versions behind the trainer's version {version}, "
+                               f"outside max_staleness {bound}")
+        counts = torch.bincount(torch.tensor(lags, dtype=torch.long), minlength=bound + 1).double().to(self.device)
+        dist.all_reduce(counts, group=self.dp_group)
+        counts = counts.tolist()
+        return {**{f"staleness/{lag}": int(n) for lag, n in enumerate(counts)},
+                "staleness_mean": sum(lag * n for lag, n in enumerate(counts)) / max(sum(counts), 1)}
 
     def gather_and_update(self, rows: list, summaries: list[dict], loss_config, teacher=None,
                           advantages=None) -> tuple[dict, list]:
@@ -195,16 +227,17 @@ class RLLoop:
             self.trainer.scheduler.step(increment=1)
         record.update(merged_steps(results))
         record["train_time_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        refresh_engine(self.engine, self.trainer)
-        record["weight_sync_time_s"] = time.perf_counter() - start
+        record["train_tokens_per_s"] = int(kept.lengths.sum()) / record["train_time_s"]
+        if self.worker is None:  # the worker's engine takes the weights from run, between two generate calls
+            start = time.perf_counter()
+            refresh_engine(self.engine, self.trainer)
+            record["weight_sync_time_s"] = time.perf_counter() - start
         record["advantage_abs_mean"] = kept_advantages.abs().double().mean().item()
         return record, summaries
 
     def run(self) -> int:
         from megatron_mimesis.checkpoint.trainer_state import current_layout
         from megatron_mimesis.models.presets import preset_record
-        from megatron_mimesis.rl.engines.factory import refresh_engine
         from megatron_mimesis.rl.update.rollout_correction import correction_warning
         from megatron_mimesis.training.lead_times import lead_warning
         from megatron_mimesis.training.run_log import RunLog
@@ -216,60 +249,123 @@ class RLLoop:
         if "sampler" not in progress:
             raise ConfigError(f"load: {c.load} is not a {c.stage} checkpoint; start from it with --finetune")
         self.sampler.load_state_dict(progress["sampler"])
-        refresh_engine(self.engine, self.trainer)  # the engine was built before the weights were restored
+        self._publish(progress["iteration"])  # the engine was built before the weights were restored
         run_config = {"train": c.to_dict(), "preset": preset_record(c.preset), "layout": current_layout(),
                       "padded_vocab_size": self.trainer.provider.padded_vocab_size}
         self.log = RunLog(c.log_dir, c.train_iters, progress["iteration"], enabled=self.trainer.is_logger,
                           progress=c.progress, wandb_project=c.wandb_project, run_config=run_config,
                           headline=self.headline, resumed_from=self.trainer.resumed_from)
         self.exit_signal = exit_signal = ExitSignal() if c.exit_signal_handler else None
+        position = progress["sampler"]  # the task sampler's position at the start of the first step not trained
 
         def save():
-            progress["sampler"] = self.sampler.state_dict()
+            progress["sampler"] = position
             self.trainer.save_checkpoint(progress, run_config)
 
+        if c.max_staleness is not None:
+            from megatron_mimesis.rl.rollout_worker import RolloutWorker
+
+            self.worker = RolloutWorker(self.generate, self.sampler, c.max_staleness, progress["iteration"],
+                                        c.train_iters, exit_signal)
         stop = None
         warned = False
-        while progress["iteration"] < c.train_iters:
-            at_start = self.sampler.state_dict()
-            self._phase_start, self._longest_phase = time.perf_counter(), 0.0
-            try:
-                record = self.step(progress["iteration"])
-                self._phase_ended()  # the last phase: the update and the engine's refresh
-            except StepAbandoned as abandoned:
-                self.sampler.load_state_dict(at_start)  # the requeued run samples this step's prompts again
+        clock = _StepClock(self.worker)
+        try:
+            while progress["iteration"] < c.train_iters:
+                self._phase_start, self._longest_phase = time.perf_counter(), 0.0
+                try:
+                    record, next_position = self._one_step(progress["iteration"])
+                    self._phase_ended()  # the last phase: the update and the engine's refresh
+                except StepAbandoned as abandoned:
+                    it = progress["iteration"]
+                    unsaved = self.trainer.checkpoints is not None and it > 0 and not self.trainer.has_saved(it)
+                    self.log.message(f"exit signal received during iteration {it + 1} (after its {abandoned.phase}): "
+                                     f"stopping at iteration {it}, the last complete step"
+                                     f"{', saving it,' * bool(unsaved)} for requeue")
+                    if unsaved:
+                        save()  # the requeued run samples this step's tasks again
+                    stop = "signal"
+                    break
+                self.trainer.poll_checkpoint()
+                progress["iteration"] += 1
                 it = progress["iteration"]
-                unsaved = self.trainer.checkpoints is not None and it > 0 and not self.trainer.has_saved(it)
-                self.log.message(f"exit signal received during iteration {it + 1} (after its {abandoned.phase}): "
-                                 f"stopping at iteration {it}, the last complete step{', saving it,' * bool(unsaved)} "
-                                 f"for requeue")
-                if unsaved:
-                    save()
-                stop = "signal"
-                break
-            self.trainer.poll_checkpoint()
-            progress["iteration"] += 1
-            it = progress["iteration"]
-            # the longest on any rank: what a signal waits for is the slowest rank's phase
-            longest = torch.tensor([self._longest_phase], dtype=torch.float64, device=self.device)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-            record["longest_phase_s"] = longest.item()
-            self.log.step({"iteration": it, **record})
-            warning = None if warned else lead_warning(c.stage, record["longest_phase_s"])
-            if warning:  # once a run
-                self.log.message(f"step {it}: {warning}")
-                warned = True
-            warning = correction_warning(record, c.rollout_correction, c.rollout_correction_cap,
-                                         c.rollout_correction_warn_frac)
-            if warning:
-                self.log.message(f"step {it}: {warning}")
-            stop = save_and_maybe_stop(c, it, exit_signal, self.log, save)
-            if stop:
-                break
-        else:
-            save_final(c, progress["iteration"], save)
+                position = next_position
+                if self.worker is not None:
+                    record.update(self._publish(it))
+                record.update(clock.tick(record.pop("trainer_wait_s", 0.0)))
+                # the longest on any rank: what a signal waits for is the slowest rank's phase
+                longest = torch.tensor([self._longest_phase], dtype=torch.float64, device=self.device)
+                dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+                record["longest_phase_s"] = longest.item()
+                self.log.step({"iteration": it, **record})
+                warning = None if warned else lead_warning(c.stage, record["longest_phase_s"])
+                if warning:  # once a run
+                    self.log.message(f"step {it}: {warning}")
+                    warned = True
+                warning = correction_warning(record, c.rollout_correction, c.rollout_correction_cap,
+                                             c.rollout_correction_warn_frac)
+                if warning:
+                    self.log.message(f"step {it}: {warning}")
+                stop = save_and_maybe_stop(c, it, exit_signal, self.log, save)
+                if stop:
+                    break
+            else:
+                save_final(c, progress["iteration"], save)
+        except BaseException:
+            if self.worker is not None:
+                self.worker.abandon()  # the process ends: nothing waits for the generate call in progress
+            raise
+        if self.worker is not None:
+            self.worker.close()  # the rollouts in flight are abandoned; the requeued run plays them again
         self.trainer.end_run(self.log, stop, exit_signal, progress["iteration"])
         return 0
+
+    def _one_step(self, step: int) -> tuple[dict, dict]:
+        """Step ``step``'s record, and the task sampler's position after its tasks: the next step's start."""
+        if self.worker is None:
+            return self.step(step), self.sampler.state_dict()
+        start = time.perf_counter()
+        batch = self.worker.next_batch(step)
+        waited = time.perf_counter() - start
+        self.stop_point("rollouts")  # a signal may have cut the worker's rollouts short
+        record = self.train(step, batch.rollouts)
+        record.update(trainer_wait_s=waited, rollout_gate_wait_s=batch.gate_wait_s)
+        return record, batch.sampler_after
+
+    def _publish(self, version: int) -> dict:
+        """The trainer's weights (``version`` updates in) into an engine that does not sample with them itself: at
+        the start, and with a rollout worker after every step (between two of its generate calls; steps up to
+        ``version + max_staleness`` may then start)."""
+        from megatron_mimesis.rl.engines.factory import refresh_engine
+
+        if self.config.max_staleness is None:
+            refresh_engine(self.engine, self.trainer)
+            return {}
+        start = time.perf_counter()
+        waited = self.engine.publish(lambda: refresh_engine(self.engine, self.trainer), version)
+        if self.worker is not None:
+            self.worker.published(version)
+        return {"weight_sync_time_s": time.perf_counter() - start, "weight_sync_wait_s": waited}
+
+
+class _StepClock:
+    """Each side's idle share of a step's wall time (from the previous step's end): the trainer's wait for the
+    step's rollouts, the rollout worker's wait for the trainer's weights."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.last = time.perf_counter()
+        self.idle_before = worker.idle_s() if worker is not None else 0.0
+
+    def tick(self, trainer_wait_s: float) -> dict:
+        now = time.perf_counter()
+        wall, self.last = now - self.last, now
+        if self.worker is None:
+            return {"step_time_s": wall}
+        idle = self.worker.idle_s()
+        rollout_wait_s, self.idle_before = idle - self.idle_before, idle
+        return {"step_time_s": wall, "trainer_idle_frac": trainer_wait_s / wall,
+                "rollout_idle_frac": rollout_wait_s / wall}
 
 
 def foldgrpo(rows) -> torch.Tensor:

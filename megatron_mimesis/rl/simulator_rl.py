@@ -84,37 +84,40 @@ class SimulatorRL(RLLoop):
                     failures.add(id(e))
         return failures
 
-    def _rollouts(self, step: int):
-        """This data-parallel rank's episodes for the step, ids made unique across ranks."""
+    def generate(self, step: int, checks) -> tuple:
+        """This data-parallel rank's episodes for the step (ids made unique across ranks), scored; the ids of those
+        whose scoring failed; the seconds taken. ``checks``: the loop's stop points (``RLLoop`` or the rollout
+        worker's)."""
         c = self.config
+        start = time.perf_counter()
         mine, offset = self.my_share(self.sampler.sample(c.prompts_per_step))
         self.engine.wake()
         try:
             episodes = self.runner.run(mine, c.rollouts_per_prompt, step_seed=self.step_seed(step),
-                                       stop_requested=self.rollouts_must_stop)
+                                       stop_requested=checks.rollouts_must_stop)
         finally:
             self.engine.sleep()
         for e in episodes:
             e.group_id += offset
             e.rollout_id += offset * c.rollouts_per_prompt
-        return episodes, {p.id: p for p in mine}
+        checks.stop_point("rollouts")
+        reward_failures = self._score(episodes, {p.id: p for p in mine})
+        rollout_time = time.perf_counter() - start
+        checks.stop_point("scoring")
+        return episodes, reward_failures, rollout_time
 
-    def step(self, step: int) -> dict:
+    def train(self, step: int, rollouts: tuple) -> dict:
         from megatron_mimesis.rl.simulator.episodes import fold_rows
 
-        start = time.perf_counter()
-        episodes, prompts_by_id = self._rollouts(step)
-        self.stop_point("rollouts")
-        reward_failures = self._score(episodes, prompts_by_id)
-        rollout_time = time.perf_counter() - start
+        episodes, reward_failures, rollout_time = rollouts
         spread = self.replica_spread(rollout_time)
-        self.stop_point("scoring")
-        rows = self.on_policy_rows(fold_rows(episodes)[0])
+        rows, staleness = self.on_policy_rows(fold_rows(episodes)[0], step)
         self.stop_point("old log-probs")
         record, summaries = self.gather_and_update(rows, [_summary(e, reward_failures) for e in episodes],
                                                    self.loss_config())
         record.update(_rollout_metrics(summaries))
         record.update(spread)
+        record.update(staleness)
         record["rollout_time_s"] = rollout_time
         # sampled tokens per second of one model replica (the data-parallel ranks sample side by side)
         record["rollout_tokens_per_s"] = sum(s["response_tokens"] for s in summaries) / self.dp_size / rollout_time

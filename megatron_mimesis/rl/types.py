@@ -22,6 +22,9 @@ class Generation:
     text: str
     logprobs: list[float]
     finish_reason: str
+    # the policy version (updates applied) whose weights sampled it, where the engine runs behind the trainer
+    # (``max_staleness``); None: the trainer's current weights
+    policy_version: int | None = None
 
 
 @dataclass
@@ -38,6 +41,7 @@ class PolicyTurn:
     thinking: str | None
     utterance: str
     finish_reason: str
+    policy_version: int | None = None  # the generation's
 
 
 @dataclass
@@ -71,3 +75,4 @@ class TrainingRow:
     reward: float
     domain: str
     engine_logprobs: list[float] | None = None
+    policy_version: int | None = None  # its turn's generation's

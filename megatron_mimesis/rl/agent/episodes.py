@@ -49,6 +49,7 @@ class AgentTurn:
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str
+    policy_version: int | None = None  # the generation's
 
 
 @dataclass
@@ -181,7 +182,8 @@ class AgentEpisodeRunner:
             calls = reply.calls
             episode.unparsed_tool_calls += reply.unparsed_calls
             episode.turns.append(AgentTurn(len(episode.messages), context, list(generation.token_ids),
-                                           list(generation.logprobs), generation.finish_reason))
+                                           list(generation.logprobs), generation.finish_reason,
+                                           generation.policy_version))
             episode.agent_thinking[len(episode.messages)] = reply.thinking
             episode.messages.append({"role": "assistant", "content": reply.text,
                                      **({"tool_calls": calls} if calls else {})})
@@ -296,6 +298,7 @@ def agent_rows(episodes: list[AgentEpisode], gamma: float, domain: str) -> list[
     for episode in scored:
         for t, turn in enumerate(episode.turns):
             rows.append((TrainingRow(episode.group_id, episode.rollout_id, turn.context_ids, turn.response_ids,
-                                     turn.response_logprobs, returns[k], domain), episode, t))
+                                     turn.response_logprobs, returns[k], domain,
+                                     policy_version=turn.policy_version), episode, t))
             k += 1
     return rows

@@ -11,19 +11,44 @@ from megatron_mimesis.rl.engines.weight_sync import sync_weights
 
 
 def build_rollout_engine(config, trainer, tokenizer):
-    """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes."""
+    """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes.
+    With a rollout worker (``max_staleness`` set) the local engine samples from its own copy of the policy, which
+    takes the trainer's weights between two generate calls (``rl/rollout_worker.py``)."""
     if config.engine == "local":
-        engine = LocalEngine(trainer.model, tokenizer, trainer.device)
+        model = trainer.model if config.max_staleness is None else policy_copy(trainer)
+        engine = LocalEngine(model, tokenizer, trainer.device)
     else:
         from megatron_mimesis.rl.engines.vllm import VLLMEngine
 
         engine = VLLMEngine.from_config(config, trainer, tokenizer)
-    return add_generation_timeout(engine, config.generation_timeout_s)
+    engine = add_generation_timeout(engine, config.generation_timeout_s)
+    if config.max_staleness is not None:
+        from megatron_mimesis.rl.rollout_worker import VersionedEngine
+
+        engine = VersionedEngine(engine)
+    return engine
+
+
+def policy_copy(trainer) -> list:
+    """The policy's architecture and layout with weights of its own, frozen (filled by the first weight sync)."""
+    chunks = trainer.build_chunks()
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    return chunks
 
 
 def samples_with_training_model(engine, trainer) -> bool:
     """The local engine over the training model itself: no weight sync, and its log-probs are the trainer's."""
     return isinstance(engine, LocalEngine) and engine.model is trainer.model
+
+
+def samples_with_policy_copy(engine) -> bool:
+    """The local engine over the rollout worker's copy of the policy: a row it sampled at the trainer's current
+    version has the trainer's own log-probs (the same weights through the same forward)."""
+    from megatron_mimesis.rl.rollout_worker import VersionedEngine
+
+    return isinstance(engine, VersionedEngine) and isinstance(engine.engine, LocalEngine)
 
 
 def refresh_engine(engine, trainer) -> None:

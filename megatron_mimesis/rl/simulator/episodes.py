@@ -108,6 +108,7 @@ class EpisodeRunner:
                 thinking=thinking,
                 utterance=utterance,
                 finish_reason=generation.finish_reason,
+                policy_version=generation.policy_version,
             )
         )
         if utterance:
@@ -165,6 +166,7 @@ def fold_rows(episodes: list[Episode]) -> tuple[list[TrainingRow], dict[str, int
                     response_logprobs=turn.response_logprobs,
                     reward=episode.reward,
                     domain=episode.domain,
+                    policy_version=turn.policy_version,
                 )
             )
     return rows, {"episodes": len(episodes), "rows": len(rows), "unscored_episodes": unscored}

@@ -1,0 +1,159 @@
+"""Rollouts generated while the trainer trains (``max_staleness``): the step after next is being played while this
+one's update runs, as veRL's fully-async mode, AReaL and prime-rl overlap them.
+
+A worker thread plays the steps in order (sample the step's tasks, run the episodes, score them) on the rollout
+engine's own copy of the policy, and hands each step's rollouts to the trainer, which takes them in the same order.
+Step ``j`` may start once the trainer has published policy version ``j - max_staleness`` (its weights after that many
+updates); the trainer trains step ``j`` at version ``j``, so no sampled token lags the weights that train on it by more
+than ``max_staleness`` versions (AReaL's bound; veRL's ``staleness_threshold``). 0 makes the worker wait for every
+update: the two sides take turns, as the synchronous loop does.
+
+New weights reach the engine between two of its generate calls (:class:`VersionedEngine`): every call samples with
+one version, which each generation records, so a multi-turn episode may span versions turn by turn, and the update
+knows each row's staleness. The trainer never waits for the rollouts in flight to finish before an update; it waits
+only for the generate call in progress to release the engine.
+
+The worker makes no collective call (the trainer's process groups are the trainer thread's), and it reads the run's
+preemption flag locally; the trainer's next stop point drops a step whose rollouts a signal cut short. On a stop the
+rollouts in flight are abandoned: the checkpoint holds the task sampler's position at the first step not yet trained,
+and the requeued run plays those steps again, none lost, none trained twice.
+"""
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+
+
+class RolloutWorkerError(RuntimeError):
+    """The worker's step raised; the trainer raises this, naming the step, with the worker's error as its cause."""
+
+
+class VersionedEngine:
+    """A rollout engine over its own copy of the policy whose weights change only between two generate calls."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.version = 0
+        self._turn = threading.Lock()
+
+    def generate(self, prompts, sampling):
+        with self._turn:
+            version = self.version
+            generations = self.engine.generate(prompts, sampling)
+        return [replace(g, policy_version=version) for g in generations]
+
+    def publish(self, load_weights, version: int) -> float:
+        """``load_weights()`` (the trainer's weights into the engine) once no generate call runs, as ``version``;
+        returns the seconds the trainer waited for the call in progress."""
+        start = time.perf_counter()
+        with self._turn:
+            waited = time.perf_counter() - start
+            load_weights()
+            self.version = version
+        return waited
+
+    def load_weights(self, named_tensors, preset, padded_vocab: int) -> None:
+        self.engine.load_weights(named_tensors, preset, padded_vocab)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    rollouts: object  # what the stage's ``generate`` returned
+    sampler_after: dict  # the task sampler's position once this step's tasks are drawn: the next step's start
+    gate_wait_s: float  # how long the step waited for the trainer's version before it could start
+
+
+class WorkerChecks:
+    """What the stages' ``generate`` asks between its phases, answered without a collective: stop points are the
+    trainer's (it calls its own after taking the batch), and rollouts end early once this process got a
+    preemption signal or the trainer closed the worker."""
+
+    def __init__(self, exit_signal, closing: threading.Event):
+        self.exit_signal, self.closing = exit_signal, closing
+
+    def stop_point(self, phase: str) -> None:
+        pass
+
+    def rollouts_must_stop(self) -> bool:
+        return self.closing.is_set() or (self.exit_signal is not None and self.exit_signal.received is not None)
+
+
+class RolloutWorker:
+    """Plays steps ``first_step``, ``first_step + 1``, ... with ``generate(step, checks)`` on a thread, each once the
+    trainer's published version allows it; :meth:`next_batch` hands them over in order."""
+
+    def __init__(self, generate, sampler, max_staleness: int, first_step: int, last_step: int, exit_signal):
+        self.generate, self.sampler, self.max_staleness = generate, sampler, max_staleness
+        self._version = first_step
+        self._gate = threading.Condition()
+        self._closing = threading.Event()
+        self._checks = WorkerChecks(exit_signal, self._closing)
+        self._batches: queue.Queue = queue.Queue()
+        self._idle_s, self._waiting_since = 0.0, None
+        self._thread = threading.Thread(target=self._play, args=(first_step, last_step), name="rollout-worker",
+                                        daemon=True)
+        self._thread.start()
+
+    def _play(self, first_step: int, last_step: int) -> None:
+        from megatron_mimesis.compat import enable_cpu_compat_in_thread
+
+        enable_cpu_compat_in_thread()
+        for step in range(first_step, last_step):
+            with self._gate:
+                self._waiting_since = time.perf_counter()
+                self._gate.wait_for(lambda s=step: self._closing.is_set() or self._version >= s - self.max_staleness)
+                waited = time.perf_counter() - self._waiting_since
+                self._idle_s += waited
+                self._waiting_since = None
+            if self._closing.is_set():
+                return
+            try:
+                rollouts = self.generate(step, self._checks)
+            except BaseException as error:  # handed to the trainer, which raises it
+                self._batches.put((step, error))
+                return
+            self._batches.put(RolloutBatch(step, rollouts, self.sampler.state_dict(), waited))
+        with self._gate:  # the last step is played: the worker idles from here on
+            self._waiting_since = time.perf_counter()
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        """Step ``step``'s rollouts, once played (the steps come in order)."""
+        batch = self._batches.get()
+        if isinstance(batch, tuple):
+            failed, error = batch
+            raise RolloutWorkerError(f"the rollout worker failed in iteration {failed + 1}: "
+                                     f"{type(error).__name__}: {error}") from error
+        if batch.step != step:
+            raise RuntimeError(f"the rollout worker handed over step {batch.step} where step {step} was due")
+        return batch
+
+    def published(self, version: int) -> None:
+        """The trainer's weights after ``version`` updates are in the engine: steps up to ``version +
+        max_staleness`` may start."""
+        with self._gate:
+            self._version = version
+            self._gate.notify_all()
+
+    def idle_s(self) -> float:
+        """The seconds the worker has waited for the trainer so far, the wait in progress included."""
+        with self._gate:
+            return self._idle_s + (time.perf_counter() - self._waiting_since if self._waiting_since else 0.0)
+
+    def abandon(self) -> None:
+        """Tell the worker to end after its generate call in progress, without waiting for it."""
+        self._closing.set()
+        with self._gate:
+            self._gate.notify_all()
+
+    def close(self) -> None:
+        """Abandon the rollouts in flight, and wait for the worker to end (its generate call in progress)."""
+        self.abandon()
+        self._thread.join()
