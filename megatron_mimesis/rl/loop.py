@@ -355,14 +355,14 @@ class _StepClock:
     def __init__(self, worker):
         self.worker = worker
         self.last = time.perf_counter()
-        self.idle_before = worker.idle_s() if worker is not None else 0.0
+        self.idle_before = worker.idle_s(self.last) if worker is not None else 0.0
 
     def tick(self, trainer_wait_s: float) -> dict:
         now = time.perf_counter()
         wall, self.last = now - self.last, now
         if self.worker is None:
             return {"step_time_s": wall}
-        idle = self.worker.idle_s()
+        idle = self.worker.idle_s(now)
         rollout_wait_s, self.idle_before = idle - self.idle_before, idle
         return {"step_time_s": wall, "trainer_idle_frac": trainer_wait_s / wall,
                 "rollout_idle_frac": rollout_wait_s / wall}

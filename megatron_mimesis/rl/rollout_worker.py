@@ -30,27 +30,44 @@ class RolloutWorkerError(RuntimeError):
 
 
 class VersionedEngine:
-    """A rollout engine over its own copy of the policy whose weights change only between two generate calls."""
+    """A rollout engine over its own copy of the policy whose weights change only between two generate calls. A
+    waiting update goes before the next call: the worker plays its calls back to back, and the trainer would
+    otherwise wait through a whole step of them."""
 
     def __init__(self, engine):
         self.engine = engine
         self.version = 0
-        self._turn = threading.Lock()
+        self._turns = threading.Condition()
+        self._generating = self._update_waiting = False
 
     def generate(self, prompts, sampling):
-        with self._turn:
+        with self._turns:
+            self._turns.wait_for(lambda: not (self._generating or self._update_waiting))
+            self._generating = True
             version = self.version
+        try:
             generations = self.engine.generate(prompts, sampling)
+        finally:
+            with self._turns:
+                self._generating = False
+                self._turns.notify_all()
         return [replace(g, policy_version=version) for g in generations]
 
     def publish(self, load_weights, version: int) -> float:
         """``load_weights()`` (the trainer's weights into the engine) once no generate call runs, as ``version``;
         returns the seconds the trainer waited for the call in progress."""
         start = time.perf_counter()
-        with self._turn:
-            waited = time.perf_counter() - start
+        with self._turns:
+            self._update_waiting = True
+            self._turns.wait_for(lambda: not self._generating)
+        waited = time.perf_counter() - start
+        try:
             load_weights()
             self.version = version
+        finally:
+            with self._turns:
+                self._update_waiting = False
+                self._turns.notify_all()
         return waited
 
     def load_weights(self, named_tensors, preset, padded_vocab: int) -> None:
@@ -142,10 +159,11 @@ class RolloutWorker:
             self._version = version
             self._gate.notify_all()
 
-    def idle_s(self) -> float:
-        """The seconds the worker has waited for the trainer so far, the wait in progress included."""
+    def idle_s(self, now: float) -> float:
+        """The seconds the worker has waited for the trainer until ``now`` (``time.perf_counter()``), the wait in
+        progress included."""
         with self._gate:
-            return self._idle_s + (time.perf_counter() - self._waiting_since if self._waiting_since else 0.0)
+            return self._idle_s + (now - self._waiting_since if self._waiting_since else 0.0)
 
     def abandon(self) -> None:
         """Tell the worker to end after its generate call in progress, without waiting for it."""

@@ -47,3 +47,26 @@ def test_a_worker_that_takes_turns_with_the_trainer_is_the_synchronous_loop_to_t
     expected, got = _checkpoint(tmp_path / "sync" / "ckpt"), _checkpoint(tmp_path / "worker" / "ckpt")
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_worker_ahead_of_the_trainer_samples_within_its_bound_and_corrects_the_stale_rows(
+        stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """Two-token turns: the rollouts outrun the update, so the worker runs up to its bound and waits there."""
+    for bound, loss in ((1, "decoupled"), (2, "decoupled"), (2, "behaviour")):
+        name = f"ahead{bound}-{loss}"
+        _run(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, name, "--train-iters", "5", "--max-new-tokens", "2",
+             "--max-staleness", str(bound), "--off-policy-loss", loss)
+        records = read_metrics(tmp_path / name)
+        assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]
+        for r in records:
+            lags = {int(k.split("/")[1]): n for k, n in r.items() if k.startswith("staleness/")}
+            assert sorted(lags) == list(range(bound + 1)) and sum(lags.values()) == r["rows"] > 0
+            # decoupled PPO: the stale rows' old log-probs are the trainer's, the sampler's weigh them
+            stale = r["staleness_mean"] > 0
+            assert ("engine_kl" in r) == (stale and loss == "decoupled"), r
+            assert 0 <= r["trainer_idle_frac"] < 1 and 0 <= r["rollout_idle_frac"] <= 1
+        assert records[0]["staleness_mean"] == 0  # the first step's rollouts had nothing to wait for
+        assert max(r[f"staleness/{bound}"] for r in records) > 0  # the worker reached its bound...
+        assert max(r["rollout_idle_frac"] for r in records[1:-1]) > 0.05  # ...and waited there for the trainer
+        assert records[1]["engine_kl" if loss == "decoupled" else "staleness_mean"] > 0
