@@ -70,3 +70,80 @@ def test_a_worker_ahead_of_the_trainer_samples_within_its_bound_and_corrects_the
         assert max(r[f"staleness/{bound}"] for r in records) > 0  # the worker reached its bound...
         assert max(r["rollout_idle_frac"] for r in records[1:-1]) > 0.05  # ...and waited there for the trainer
         assert records[1]["engine_kl" if loss == "decoupled" else "staleness_mean"] > 0
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_signal_mid_run_resumes_the_sampler_exactly_with_every_step_trained_once(
+        stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """The signal reaches the run while the worker plays iteration 2 a version ahead (the trainer on iteration 1):
+    iteration 1 is saved and the rollouts in flight abandoned. The requeued run plays iteration 2 again from the
+    sampler's saved position, at version 1: the synchronous loop's iteration 2 to the bit (its version-1 weights
+    are the same, every row of iteration 1 having been fresh), which it could not be with a task lost, drawn
+    twice or out of order."""
+    module, compared = STAGES[stage]
+    _run(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "sync")
+    sync = {r["iteration"]: r for r in read_metrics(tmp_path / "sync")}
+    worker = ["--max-staleness", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "10"]
+    preempted = run_under_torchrun(1, stage, *_args(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "run", *worker),
+                                   module="tests.rl.signal_during_rollouts", check=False, timeout=600)
+    out = preempted.stdout + preempted.stderr
+    assert ("exit signal received at iteration 1: saving and exiting for requeue" in out or
+            "exit signal received during iteration 2 (after its rollouts): stopping at iteration 1" in out), out[-4000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "1"
+    assert json.loads((tmp_path / "run" / "exit.json").read_text()) == {
+        "stopped": "signal", "signal": "SIGTERM", "iteration": 1, "saved": True}
+    _run(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "run", *worker)
+    records = read_metrics(tmp_path / "run")
+    assert [r["iteration"] for r in records] == [1, 2, 3]  # each step logged once: none trained twice
+    resumed = {r["iteration"]: r for r in records}
+    assert resumed[2]["staleness/0"] == resumed[2]["rows"]  # played again at the restored version
+    assert {k: resumed[2][k] for k in compared} == {k: sync[2][k] for k in compared}
+    assert sum(resumed[3][f"staleness/{lag}"] for lag in (0, 1)) == resumed[3]["rows"] > 0
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_an_error_in_the_worker_ends_the_run_naming_it(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    from tests.rl.fail_during_rollouts import MESSAGE
+
+    failed = run_under_torchrun(1, stage, *_args(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, "run",
+                                                 "--max-staleness", "1"),
+                                module="tests.rl.fail_during_rollouts", check=False, timeout=300)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    assert (f"error: RolloutWorkerError: the rollout worker failed in iteration 2: RuntimeError: {MESSAGE}"
+            in out), out[-4000:]
+    assert f"RuntimeError: {MESSAGE}" in (tmp_path / "run" / "error-rank0.txt").read_text()
+    assert [r["iteration"] for r in read_metrics(tmp_path / "run")] == [1]  # the step before it trained
+
+
+def test_kill_9_of_a_rank_mid_run_ends_the_run(tiny_dataset, tiny_hf_checkpoint, tmp_path):
+    """The worker is a thread of the rank: a hard kill ends it with the rank, and torchrun ends the run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.multiproc import kill_all, processes_with_env
+    from tests.training.conftest import REPO
+
+    module, _ = STAGES["agent"]
+    marker = f"async-kill-{os.getpid()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", module,
+           "--no-progress", *_args("agent", tiny_dataset, tiny_hf_checkpoint, tmp_path, "run", "--train-iters", "1000",
+                                   "--max-staleness", "2")]
+    run = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "ASYNC_KILL_TEST": marker},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and run.poll() is None, "no second step within 120 s"
+            time.sleep(0.2)
+        (rank,) = [pid for pid, info in processes_with_env("ASYNC_KILL_TEST", marker).items() if pid != run.pid]
+        os.kill(rank, signal.SIGKILL)
+        assert run.wait(timeout=30) != 0
+        time.sleep(1)
+        assert not processes_with_env("ASYNC_KILL_TEST", marker)
+    finally:
+        kill_all([run.pid, *processes_with_env("ASYNC_KILL_TEST", marker)])
