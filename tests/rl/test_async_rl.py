@@ -14,8 +14,6 @@ from megatron_mimesis.training.config import ConfigError
 from tests.rl.test_preemption import STAGES, _args
 from tests.training.conftest import read_metrics, run_trainer, run_under_torchrun
 
-pytestmark = pytest.mark.slow
-
 
 def _run(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path, log, *extra, nproc=1, check=True):
     module, _ = STAGES[stage]
@@ -28,6 +26,7 @@ def _checkpoint(path) -> dict[str, torch.Tensor]:
     return {name: reader.tensor(name) for name in reader.stored_tensors()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_a_worker_that_takes_turns_with_the_trainer_is_the_synchronous_loop_to_the_bit(
         stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
@@ -49,6 +48,7 @@ def test_a_worker_that_takes_turns_with_the_trainer_is_the_synchronous_loop_to_t
     assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_a_worker_ahead_of_the_trainer_samples_within_its_bound_and_corrects_the_stale_rows(
         stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
@@ -72,6 +72,7 @@ def test_a_worker_ahead_of_the_trainer_samples_within_its_bound_and_corrects_the
         assert records[1]["engine_kl" if loss == "decoupled" else "staleness_mean"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_a_signal_mid_run_resumes_the_sampler_exactly_with_every_step_trained_once(
         stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
@@ -101,6 +102,7 @@ def test_a_signal_mid_run_resumes_the_sampler_exactly_with_every_step_trained_on
     assert sum(resumed[3][f"staleness/{lag}"] for lag in (0, 1)) == resumed[3]["rows"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_an_error_in_the_worker_ends_the_run_naming_it(stage, tiny_dataset, tiny_hf_checkpoint, tmp_path):
     from tests.rl.fail_during_rollouts import MESSAGE
@@ -116,6 +118,7 @@ def test_an_error_in_the_worker_ends_the_run_naming_it(stage, tiny_dataset, tiny
     assert [r["iteration"] for r in read_metrics(tmp_path / "run")] == [1]  # the step before it trained
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_rank_mid_run_ends_the_run(tiny_dataset, tiny_hf_checkpoint, tmp_path):
     """The worker is a thread of the rank: a hard kill ends it with the rank, and torchrun ends the run."""
     import os
@@ -147,3 +150,16 @@ def test_kill_9_of_a_rank_mid_run_ends_the_run(tiny_dataset, tiny_hf_checkpoint,
         assert not processes_with_env("ASYNC_KILL_TEST", marker)
     finally:
         kill_all([run.pid, *processes_with_env("ASYNC_KILL_TEST", marker)])
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(max_staleness=-1), "max_staleness must be at least 0"),
+    (dict(max_staleness=1, engine="vllm"), "max_staleness: the rollout worker runs the local engine on its own copy "
+                                           "of the policy; engine=vllm keeps the synchronous loop"),
+    (dict(max_staleness=1, tensor_model_parallel_size=2), r"at tensor and pipeline parallel size 1, not 2 x 1"),
+    (dict(off_policy_loss="ppo"), "off_policy_loss must be one of"),
+])
+def test_async_options_are_validated_before_anything_starts(changes, message):
+    config = AgentRLConfig(model="tiny", env="toy", user_model="scripted", coach="none").replace(**changes)
+    with pytest.raises(ConfigError, match=message):
+        config.validate_without_files(2)

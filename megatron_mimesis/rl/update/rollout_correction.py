@@ -43,12 +43,16 @@ def rollout_weights(rows: StepRows, mode: str, level: str, cap: float) -> tuple[
 
 def correction_warning(record: dict, mode: str, cap: float, warn_frac: float) -> str | None:
     """One line when the share of tokens truncated (tis) or masked (mis) in ``record`` passes ``warn_frac``: the
-    engine and the trainer disagree more than numerics explain (a failed weight sync, a precision setting)."""
+    engine and the trainer disagree more than numerics explain (a failed weight sync, a precision setting), or, with
+    stale rows (a rollout worker ahead of the trainer), the policy moved more between versions than the cap allows."""
     share = record.get("is_truncated_frac" if mode == "tis" else "is_masked_frac")
     if share is None or share <= warn_frac:
         return None
     action = f"truncated (trainer/engine ratio above {cap:g})" if mode == "tis" else \
         f"masked (trainer/engine ratio outside [{1 / cap:.3g}, {cap:g}])"
+    stale = record.get("staleness_mean")
+    advice = (f"rows were sampled {stale:.2g} policy versions behind on average: lower max_staleness or the learning "
+              f"rate" if stale else "check the weight sync and engine_deltanet_state_dtype")
     return (f"rollout correction: {share:.1%} of sampled tokens {action}, above rollout_correction_warn_frac "
             f"{warn_frac:.1%}; engine_kl {record['engine_kl']:.3g}, max |delta| "
-            f"{record['engine_logprob_abs_diff_max']:.3g}: check the weight sync and engine_deltanet_state_dtype")
+            f"{record['engine_logprob_abs_diff_max']:.3g}: {advice}")

@@ -52,6 +52,10 @@ def test_a_warning_line_when_the_correction_acts_on_too_many_tokens():
     assert correction_warning(record, "tis", 2.0, 0.01) is None  # 0.5% truncated: numerics
     assert correction_warning(record, "mis", 2.0, 0.25) is None
     assert correction_warning({}, "tis", 2.0, 0.01) is None  # the local engine: nothing measured
+    assert line.endswith(": check the weight sync and engine_deltanet_state_dtype")
+    stale = correction_warning({**record, "staleness_mean": 1.5}, "mis", 2.0, 0.01)
+    assert stale.endswith(": rows were sampled 1.5 policy versions behind on average: lower max_staleness or the "
+                          "learning rate")
 
 
 @pytest.mark.parametrize(("changes", "message"), [
