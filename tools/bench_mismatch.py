@@ -179,7 +179,8 @@ def _table(results: dict, sizes: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _output_dir(path: str) -> Path:
+def output_dir(path: str) -> Path:
+    """``path`` resolved; one inside the repository must be under runs/ (what .gitignore keeps out)."""
     out = Path(path).resolve()
     inside = out == REPO or REPO in out.parents
     if inside and not (out == REPO / "runs" or (REPO / "runs") in out.parents):
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf", help="an HF directory of a model with Gated DeltaNet layers (default: the tiny preset, seeded)")
     parser.add_argument("--tokenizer", help="its tokenizer (default: --hf, else one trained on the demo corpus)")
     args = parser.parse_args(argv)
-    out = _output_dir(args.output)
+    out = output_dir(args.output)
     if min(args.lengths + [args.rollouts, args.turns, args.turn_tokens]) < 1:
         raise SystemExit("error: --lengths, --rollouts, --turns and --turn-tokens must be positive")
     try:

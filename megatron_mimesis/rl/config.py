@@ -15,7 +15,7 @@ from megatron_mimesis.kernels.reference import ROLLOUT_CORRECTION_LEVELS, ROLLOU
 from megatron_mimesis.models.presets import TINY_PRESETS
 from megatron_mimesis.training.config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, ConfigError, Range, TrainConfig
 
-ENGINES = ("local", "vllm")
+ENGINES = ("local", "vllm", "served")
 OFF_POLICY_LOSSES = ("decoupled", "behaviour")
 DELTANET_STATE_DTYPES = ("float32", "bfloat16")
 
@@ -30,9 +30,12 @@ class RLConfig(TrainConfig):
     # tokenizer saved with that checkpoint (its latest iteration), so a config names no iteration
     tokenizer: str | None = None
     # rollouts: "local" decodes with the training model itself (CPU, tests); "vllm" runs vLLM colocated in the
-    # training processes, asleep while the trainer steps, its weights synced after every update
+    # training processes, asleep while the trainer steps, its weights synced after every update; "served" sends them
+    # to a vLLM server of the policy on devices of its own (a split layout), its weights updated through a shared
+    # directory after every update (rl/engines/served.py)
     engine: str = "local"
-    engine_options: dict = field(default_factory=dict)  # vLLM engine keyword arguments (rl/engines/vllm.py)
+    # vllm: vLLM engine keyword arguments (rl/engines/vllm.py); served: base_url, model, weights_dir (served.OPTIONS)
+    engine_options: dict = field(default_factory=dict)
     generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
     # the vLLM engine's Gated DeltaNet recurrent state (its mamba_ssm_cache_dtype), for a family with one (Qwen3.5):
     # float32 as the trainer keeps it and the released configs ask. bfloat16 halves the state cache and its decode traffic, at the cost of a
@@ -149,14 +152,24 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"engine=local decodes with the training model itself, with no KV cache and full "
                               f"[tokens, vocab] logits per decoded token: the tiny presets' CPU engine "
                               f"{TINY_PRESETS}, not one for {self.model!r}; use engine=vllm")
+        if self.engine == "served":
+            from megatron_mimesis.rl.engines.served import OPTIONS, REQUIRED
+
+            missing = [name for name in REQUIRED if not self.engine_options.get(name)]
+            unknown = sorted(set(self.engine_options) - set(OPTIONS))
+            if missing or unknown:
+                raise ConfigError(f"engine_options of engine=served: {'missing ' + str(missing) if missing else ''}"
+                                  f"{'; ' if missing and unknown else ''}{'unknown ' + str(unknown) if unknown else ''}"
+                                  f" (it takes {', '.join(f'{k}: {v}' for k, v in OPTIONS.items())})")
         if self.max_staleness is not None:
-            if self.engine != "local":
-                raise ConfigError(f"max_staleness: the rollout worker runs the local engine on its own copy of the "
-                                  f"policy; engine={self.engine} keeps the synchronous loop (unset max_staleness)")
+            if self.engine == "vllm":
+                raise ConfigError("max_staleness: the rollout worker needs an engine of its own beside the trainer: "
+                                  "engine=local (its own copy of the policy) or engine=served (a vLLM server on other "
+                                  "devices); the colocated vLLM engine shares the trainer's devices and processes")
             if self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1:
                 raise ConfigError(
-                    f"max_staleness: the rollout worker's copy of the policy runs on a thread of its own without "
-                    f"collectives, at tensor and pipeline parallel size 1, not {self.tensor_model_parallel_size} x "
+                    f"max_staleness: the rollout worker runs on a thread of its own without collectives, at tensor "
+                    f"and pipeline parallel size 1, not {self.tensor_model_parallel_size} x "
                     f"{self.pipeline_model_parallel_size} (its collectives would meet the trainer's on the same "
                     f"process groups)")
         for name, allowed in (("engine_deltanet_state_dtype", DELTANET_STATE_DTYPES),

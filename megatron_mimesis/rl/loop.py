@@ -57,8 +57,8 @@ class RLLoop:
         self.trainer = Trainer(config, tokenizer_dir=config.tokenizer)
         self.device = self.trainer.device
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        self.engine = build_rollout_engine(config, self.trainer, self.tokenizer)
         self.mp_group = parallel_state.get_model_parallel_group()
+        self.engine = build_rollout_engine(config, self.trainer, self.tokenizer, self.mp_group)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -175,7 +175,7 @@ class RLLoop:
         (``{"group_id", "reward", ...}``), drop groups with fewer than ``min_valid_rollouts`` scored rollouts
         (counted), compute advantages over unique rollouts, weigh the tokens for the engine they were sampled from
         (rollout correction, with the mismatch metrics over all rows), take ``optimizer_steps_per_batch`` optimizer
-        steps and refresh the engine. ``teacher``: per-row teacher log-probs (CSD). ``rows`` come from
+        steps. ``teacher``: per-row teacher log-probs (CSD). ``rows`` come from
         :meth:`on_policy_rows`; with a KL term each rank first scores its own rows under the reference.
         ``advantages(rows)``: one advantage per kept row (default: FoldGRPO's over the rows' rewards). Returns the
         update's record and all ranks' summaries.
@@ -184,8 +184,7 @@ class RLLoop:
         correction masks still counts in its group's statistics (FoldGRPO's mean and std over unique rollouts).
         Several optimizer steps split the batch by group into that many mini-batches (PPO's, as veRL takes them),
         every step against the old log-probs of the rollouts, so from the second step on the clip acts; the
-        learning-rate schedule advances once per batch."""
-        from megatron_mimesis.rl.engines.factory import refresh_engine
+        learning-rate schedule advances once per batch. The engine takes the new weights after the step (``run``)."""
         from megatron_mimesis.rl.update.policy_step import policy_update
         from megatron_mimesis.rl.update.rollout_correction import rollout_weights
         from megatron_mimesis.rl.update.rows import StepRows
@@ -228,10 +227,6 @@ class RLLoop:
         record.update(merged_steps(results))
         record["train_time_s"] = time.perf_counter() - start
         record["train_tokens_per_s"] = int(kept.lengths.sum()) / record["train_time_s"]
-        if self.worker is None:  # the worker's engine takes the weights from run, between two generate calls
-            start = time.perf_counter()
-            refresh_engine(self.engine, self.trainer)
-            record["weight_sync_time_s"] = time.perf_counter() - start
         record["advantage_abs_mean"] = kept_advantages.abs().double().mean().item()
         return record, summaries
 
@@ -275,6 +270,7 @@ class RLLoop:
                 self._phase_start, self._longest_phase = time.perf_counter(), 0.0
                 try:
                     record, next_position = self._one_step(progress["iteration"])
+                    record.update(self._publish(progress["iteration"] + 1))
                     self._phase_ended()  # the last phase: the update and the engine's refresh
                 except StepAbandoned as abandoned:
                     it = progress["iteration"]
@@ -290,9 +286,8 @@ class RLLoop:
                 progress["iteration"] += 1
                 it = progress["iteration"]
                 position = next_position
-                if self.worker is not None:
-                    record.update(self._publish(it))
-                record.update(clock.tick(record.pop("trainer_wait_s", 0.0)))
+                # the trainer's idle time: waiting for the step's rollouts, and for the engine to take the weights
+                record.update(clock.tick(record.pop("trainer_wait_s", 0.0) + record.get("weight_sync_wait_s", 0.0)))
                 # the longest on any rank: what a signal waits for is the slowest rank's phase
                 longest = torch.tensor([self._longest_phase], dtype=torch.float64, device=self.device)
                 dist.all_reduce(longest, op=dist.ReduceOp.MAX)
@@ -333,24 +328,25 @@ class RLLoop:
         return record, batch.sampler_after
 
     def _publish(self, version: int) -> dict:
-        """The trainer's weights (``version`` updates in) into an engine that does not sample with them itself: at
-        the start, and with a rollout worker after every step (between two of its generate calls; steps up to
-        ``version + max_staleness`` may then start)."""
+        """The trainer's weights (``version`` updates in) into an engine that does not sample with them itself, at
+        the start and after every step; with a rollout worker between two of its generate calls, after which steps
+        up to ``version + max_staleness`` may start."""
         from megatron_mimesis.rl.engines.factory import refresh_engine
 
-        if self.config.max_staleness is None:
-            refresh_engine(self.engine, self.trainer)
-            return {}
         start = time.perf_counter()
-        waited = self.engine.publish(lambda: refresh_engine(self.engine, self.trainer), version)
+        if self.config.max_staleness is None:
+            refresh_engine(self.engine, self.trainer, version)
+            return {"weight_sync_time_s": time.perf_counter() - start}
+        waited = self.engine.publish(lambda: refresh_engine(self.engine.engine, self.trainer, version), version)
         if self.worker is not None:
             self.worker.published(version)
         return {"weight_sync_time_s": time.perf_counter() - start, "weight_sync_wait_s": waited}
 
 
 class _StepClock:
-    """Each side's idle share of a step's wall time (from the previous step's end): the trainer's wait for the
-    step's rollouts, the rollout worker's wait for the trainer's weights."""
+    """Each side's idle share of a step's wall time (from the previous step's end): the trainer's waits for the
+    step's rollouts and for the engine's generate call in progress at the weight update, the rollout worker's wait
+    for the trainer's weights."""
 
     def __init__(self, worker):
         self.worker = worker

@@ -70,9 +70,6 @@ class VersionedEngine:
                 self._turns.notify_all()
         return waited
 
-    def load_weights(self, named_tensors, preset, padded_vocab: int) -> None:
-        self.engine.load_weights(named_tensors, preset, padded_vocab)
-
     def sleep(self) -> None:
         self.engine.sleep()
 

@@ -154,8 +154,10 @@ def test_kill_9_of_a_rank_mid_run_ends_the_run(tiny_dataset, tiny_hf_checkpoint,
 
 @pytest.mark.parametrize(("changes", "message"), [
     (dict(max_staleness=-1), "max_staleness must be at least 0"),
-    (dict(max_staleness=1, engine="vllm"), "max_staleness: the rollout worker runs the local engine on its own copy "
-                                           "of the policy; engine=vllm keeps the synchronous loop"),
+    (dict(max_staleness=1, engine="vllm"), "max_staleness: the rollout worker needs an engine of its own beside the "
+                                           "trainer: engine=local .* or engine=served"),
+    (dict(engine="served", engine_options={"base_url": "http://h:1/v1", "model": "m", "port": 1}),
+     r"engine_options of engine=served: missing \['weights_dir'\]; unknown \['port'\] \(it takes base_url: "),
     (dict(max_staleness=1, tensor_model_parallel_size=2), r"at tensor and pipeline parallel size 1, not 2 x 1"),
     (dict(off_policy_loss="ppo"), "off_policy_loss must be one of"),
 ])

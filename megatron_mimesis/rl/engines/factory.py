@@ -1,7 +1,7 @@
 """The one place that picks the rollout engine from the config and keeps it in step with the trainer.
 
 The RL loops call ``build_rollout_engine`` once, ``engine.wake()`` / ``engine.sleep()`` around each step's
-rollouts, and ``refresh_engine`` after each optimizer step; the only other thing that depends on the engine is
+rollouts, and ``refresh_engine`` after each step's update; the only other thing that depends on the engine is
 whether the sampler's log-probs can serve as the update's old log-probs (``samples_with_training_model``).
 """
 
@@ -10,13 +10,19 @@ from megatron_mimesis.rl.engines.local import LocalEngine
 from megatron_mimesis.rl.engines.weight_sync import sync_weights
 
 
-def build_rollout_engine(config, trainer, tokenizer):
-    """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes.
-    With a rollout worker (``max_staleness`` set) the local engine samples from its own copy of the policy, which
-    takes the trainer's weights between two generate calls (``rl/rollout_worker.py``)."""
+def build_rollout_engine(config, trainer, tokenizer, group):
+    """``config.engine``: "local" samples with the training model itself; "vllm" runs vLLM in these processes;
+    "served" sends requests to a vLLM server of the policy on devices of its own, from the first rank of ``group``.
+    With a rollout worker (``max_staleness`` set) the local engine samples from its own copy of the policy, and any
+    engine takes the trainer's weights between two generate calls (``rl/rollout_worker.py``)."""
     if config.engine == "local":
         model = trainer.model if config.max_staleness is None else policy_copy(trainer)
         engine = LocalEngine(model, tokenizer, trainer.device)
+    elif config.engine == "served":
+        from megatron_mimesis.rl.engines.served import ServedEngine
+
+        engine = ServedEngine(config.engine_options, tokenizer, config.seed, group)
+        engine.check_server()
     else:
         from megatron_mimesis.rl.engines.vllm import VLLMEngine
 
@@ -51,7 +57,12 @@ def samples_with_policy_copy(engine) -> bool:
     return isinstance(engine, VersionedEngine) and isinstance(engine.engine, LocalEngine)
 
 
-def refresh_engine(engine, trainer) -> None:
-    """After an optimizer step: give the engine the new weights unless it samples from the training model."""
-    if not samples_with_training_model(engine, trainer):
-        sync_weights(engine, trainer.model, trainer.config.preset, trainer.provider.padded_vocab_size)
+def refresh_engine(engine, trainer, version: int) -> None:
+    """The trainer's weights after ``version`` updates into the engine, unless it samples from the training model."""
+    from megatron_mimesis.rl.engines.served import ServedEngine
+
+    preset, padded_vocab = trainer.config.preset, trainer.provider.padded_vocab_size
+    if isinstance(engine, ServedEngine):
+        engine.update_weights(trainer.model, preset, padded_vocab, version)
+    elif not samples_with_training_model(engine, trainer):
+        sync_weights(engine, trainer.model, preset, padded_vocab)

@@ -67,5 +67,6 @@ def test_the_engine_object_is_kept():
 def test_the_factory_puts_every_engine_under_the_configured_timeout():
     trainer = SimpleNamespace(model=["chunk"], device="cpu")
     for timeout_s, patched in ((None, False), (30.0, True)):
-        engine = build_rollout_engine(SimpleNamespace(engine="local", generation_timeout_s=timeout_s), trainer, "tok")
+        config = SimpleNamespace(engine="local", generation_timeout_s=timeout_s, max_staleness=None)
+        engine = build_rollout_engine(config, trainer, "tok", None)
         assert isinstance(engine, LocalEngine) and ("generate" in vars(engine)) == patched

