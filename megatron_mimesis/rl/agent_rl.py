@@ -55,7 +55,7 @@ class AgentRL(RLLoop):
             self.suite.connect(**c.user_model_options)
         user_model = None if owns_user(self.suite) else self._user_model()
         self.runner = AgentEpisodeRunner(self.engine, self.chat, user_model, self.sampling, c.max_agent_turns,
-                                         on_leader=lambda fn: on_group_leader(fn, self.mp_group))
+                                         on_leader=lambda fn: on_group_leader(fn, self.rollout_group))
         self.coach = self._coach() if c.csd_alpha else None
         self.coach_template = None
         if self.coach is not None:
@@ -75,9 +75,9 @@ class AgentRL(RLLoop):
         if c.user_model == "scripted":
             from megatron_mimesis.rl.envs.toy import toy_user
 
-            return _LeaderUserModel(toy_user(), self.mp_group)
+            return _LeaderUserModel(toy_user(), self.rollout_group)
         if c.user_model == "openai":
-            return _LeaderUserModel(OpenAIUserModel(**c.user_model_options), self.mp_group)
+            return _LeaderUserModel(OpenAIUserModel(**c.user_model_options), self.rollout_group)
         options = c.user_model_options
         engine = LocalEngine(self.frozen_copy(options["load"]), self.tokenizer, self.device)
         sampling = SamplingParams(max_new_tokens=options.get("max_new_tokens", 512),
@@ -114,7 +114,7 @@ class AgentRL(RLLoop):
             failures = score_episodes(episodes)
             return failures, [(e.turn_rewards, e.score_info) for e in episodes]
 
-        failures, results = on_group_leader(score, self.mp_group)
+        failures, results = on_group_leader(score, self.rollout_group)
         for e, (rewards, info) in zip(episodes, results, strict=True):
             e.turn_rewards, e.score_info = rewards, info
         return Counter(failures)

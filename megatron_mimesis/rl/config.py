@@ -166,12 +166,12 @@ class RLConfig(TrainConfig):
                 raise ConfigError("max_staleness: the rollout worker needs an engine of its own beside the trainer: "
                                   "engine=local (its own copy of the policy) or engine=served (a vLLM server on other "
                                   "devices); the colocated vLLM engine shares the trainer's devices and processes")
-            if self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1:
+            if self.engine == "local" and self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1:
                 raise ConfigError(
-                    f"max_staleness: the rollout worker runs on a thread of its own without collectives, at tensor "
-                    f"and pipeline parallel size 1, not {self.tensor_model_parallel_size} x "
-                    f"{self.pipeline_model_parallel_size} (its collectives would meet the trainer's on the same "
-                    f"process groups)")
+                    f"max_staleness with engine=local: the worker's copy of the policy would run its tensor- and "
+                    f"pipeline-parallel collectives on the trainer's process groups from another thread; it runs "
+                    f"at tensor and pipeline parallel size 1, not {self.tensor_model_parallel_size} x "
+                    f"{self.pipeline_model_parallel_size} (engine=served takes any layout)")
         for name, allowed in (("engine_deltanet_state_dtype", DELTANET_STATE_DTYPES),
                               ("off_policy_loss", OFF_POLICY_LOSSES),
                               ("rollout_correction", ROLLOUT_CORRECTIONS),

@@ -30,6 +30,19 @@ class StepAbandoned(Exception):
         self.phase = phase
 
 
+def copy_of_group(group):
+    """A gloo group of the same ranks as ``group`` (this rank's), for another thread's collectives: ranks of one
+    group must issue its collectives in one order, which two threads cannot promise. Collective over the world."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dist.get_process_group_ranks(group))
+    copy = None
+    for ranks in sorted({tuple(ranks) for ranks in every}):
+        created = dist.new_group(list(ranks), backend="gloo")
+        if dist.get_rank() in ranks:
+            copy = created
+    return copy
+
+
 def on_group_leader(fn, group):
     """Run ``fn`` on the group's first rank and give its result to every rank of the group."""
     if group is None or dist.get_world_size(group) == 1:
@@ -58,7 +71,12 @@ class RLLoop:
         self.device = self.trainer.device
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.mp_group = parallel_state.get_model_parallel_group()
-        self.engine = build_rollout_engine(config, self.trainer, self.tokenizer, self.mp_group)
+        # the group whose first rank calls the endpoints while rollouts are played: the model-parallel group, or
+        # with a rollout worker at model-parallel size > 1 a copy of it, since a group serves one thread
+        self.rollout_group = self.mp_group
+        if config.max_staleness is not None and dist.get_world_size(self.mp_group) > 1:
+            self.rollout_group = copy_of_group(self.mp_group)
+        self.engine = build_rollout_engine(config, self.trainer, self.tokenizer, self.rollout_group)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -261,7 +279,7 @@ class RLLoop:
             from megatron_mimesis.rl.rollout_worker import RolloutWorker
 
             self.worker = RolloutWorker(self.generate, self.sampler, c.max_staleness, progress["iteration"],
-                                        c.train_iters, exit_signal)
+                                        c.train_iters, exit_signal, self.rollout_group)
         stop = None
         warned = False
         clock = _StepClock(self.worker)

@@ -13,10 +13,12 @@ one version, which each generation records, so a multi-turn episode may span ver
 knows each row's staleness. The trainer never waits for the rollouts in flight to finish before an update; it waits
 only for the generate call in progress to release the engine.
 
-The worker makes no collective call (the trainer's process groups are the trainer thread's), and it reads the run's
-preemption flag locally; the trainer's next stop point drops a step whose rollouts a signal cut short. On a stop the
-rollouts in flight are abandoned: the checkpoint holds the task sampler's position at the first step not yet trained,
-and the requeued run plays those steps again, none lost, none trained twice.
+The worker never touches the trainer's process groups (a group serves one thread). At model-parallel size 1 it makes
+no collective call at all; above it (a served engine, whose requests the group's first rank sends) the workers of a
+model-parallel group broadcast the answers and agree on every stop over a gloo copy of the group (``group``), so they
+play in lockstep and end at the same point. The trainer's next stop point drops a step whose rollouts a signal cut
+short. On a stop the rollouts in flight are abandoned: the checkpoint holds the task sampler's position at the first
+step not yet trained, and the requeued run plays those steps again, none lost, none trained twice.
 """
 
 import queue
@@ -24,9 +26,17 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import torch
+import torch.distributed as dist
+
 
 class RolloutWorkerError(RuntimeError):
     """The worker's step raised; the trainer raises this, naming the step, with the worker's error as its cause."""
+
+
+class WorkerClosed(Exception):
+    """The worker ended before the step: a trainer of its group closed it (the trainer that waits for the step must
+    not wait forever)."""
 
 
 class VersionedEngine:
@@ -86,30 +96,40 @@ class RolloutBatch:
 
 
 class WorkerChecks:
-    """What the stages' ``generate`` asks between its phases, answered without a collective: stop points are the
-    trainer's (it calls its own after taking the batch), and rollouts end early once this process got a
-    preemption signal or the trainer closed the worker."""
+    """What the stages' ``generate`` asks between its phases, answered off the trainer's groups: stop points are the
+    trainer's (it calls its own after taking the batch), and rollouts end early once a rank of ``group`` got a
+    preemption signal or its trainer closed the worker."""
 
-    def __init__(self, exit_signal, closing: threading.Event):
-        self.exit_signal, self.closing = exit_signal, closing
+    def __init__(self, exit_signal, closing: threading.Event, group):
+        self.exit_signal, self.closing, self.group = exit_signal, closing, group
 
     def stop_point(self, phase: str) -> None:
         pass
 
     def rollouts_must_stop(self) -> bool:
-        return self.closing.is_set() or (self.exit_signal is not None and self.exit_signal.received is not None)
+        return self.any_rank(self.closing.is_set() or (self.exit_signal is not None and
+                                                        self.exit_signal.received is not None))
+
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` on any rank of the group: collective over it when it has several ranks."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return flag
+        value = torch.tensor([float(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
 
 
 class RolloutWorker:
     """Plays steps ``first_step``, ``first_step + 1``, ... with ``generate(step, checks)`` on a thread, each once the
     trainer's published version allows it; :meth:`next_batch` hands them over in order."""
 
-    def __init__(self, generate, sampler, max_staleness: int, first_step: int, last_step: int, exit_signal):
+    def __init__(self, generate, sampler, max_staleness: int, first_step: int, last_step: int, exit_signal,
+                 group=None):
         self.generate, self.sampler, self.max_staleness = generate, sampler, max_staleness
         self._version = first_step
         self._gate = threading.Condition()
         self._closing = threading.Event()
-        self._checks = WorkerChecks(exit_signal, self._closing)
+        self._checks = WorkerChecks(exit_signal, self._closing, group)
         self._batches: queue.Queue = queue.Queue()
         self._idle_s, self._waiting_since = 0.0, None
         self._thread = threading.Thread(target=self._play, args=(first_step, last_step), name="rollout-worker",
@@ -127,9 +147,10 @@ class RolloutWorker:
                 waited = time.perf_counter() - self._waiting_since
                 self._idle_s += waited
                 self._waiting_since = None
-            if self._closing.is_set():
-                return
             try:
+                if self._checks.any_rank(self._closing.is_set()):  # the group's workers end together
+                    self._batches.put((step, WorkerClosed("a rank of its model-parallel group ended the run")))
+                    return
                 rollouts = self.generate(step, self._checks)
             except BaseException as error:  # handed to the trainer, which raises it
                 self._batches.put((step, error))

@@ -52,7 +52,7 @@ class SimulatorRL(RLLoop):
         self.rewards = rewards_for(c.domain_rewards, c.reward_options)
         self.runner = EpisodeRunner(
             self.engine, ChatRenderer(self.tokenizer, thinking=c.thinking),
-            _LeaderCounterpart(self._counterpart(), self.mp_group),
+            _LeaderCounterpart(self._counterpart(), self.rollout_group),
             SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p),
             max_turns=c.max_turns,
         )
@@ -77,7 +77,7 @@ class SimulatorRL(RLLoop):
         for domain, group in by_domain.items():
             prompts = [prompts_by_id[e.prompt_id] for e in group]
             results = on_group_leader(lambda g=group, p=prompts, d=domain: self.rewards[d].score_batch(g, p),
-                                       self.mp_group)
+                                       self.rollout_group)
             for e, r in zip(group, results, strict=True):
                 e.reward, e.reward_info = r.value, {**r.info, **({"error": r.error} if r.value is None else {})}
                 if r.value is None:

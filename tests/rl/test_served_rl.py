@@ -50,14 +50,18 @@ def _max_diff(a, b) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
-@pytest.mark.parametrize("worker", [None, "1"], ids=["synchronous", "staleness1"])
-def test_a_served_policy_takes_every_update_in_place(worker, tiny_dataset, peaked_policy, tmp_path):
+@pytest.mark.parametrize(("worker", "tp"), [(None, "1"), ("1", "1"), ("1", "2")],
+                         ids=["synchronous", "staleness1", "staleness1-tp2"])
+def test_a_served_policy_takes_every_update_in_place(worker, tp, tiny_dataset, peaked_policy, tmp_path):
+    """At TP=2 the rollout workers of the two ranks play in lockstep: the first sends the requests, both broadcast
+    the answers and agree on stops over their own copy of the model-parallel group."""
     with VLLMServer(peaked_policy, tmp_path / "server.log", tokenizer=tiny_dataset / "tokenizer") as server:
         options = {"base_url": server.base_url, "model": "tiny", "weights_dir": str(tmp_path / "weights")}
         args = _rl_args(tiny_dataset, peaked_policy, tmp_path, "--engine", "served", "--engine-options",
                         json.dumps(options), "--bf16", "--train-iters", "3", "--prompts-per-step", "2",
                         "--rollouts-per-prompt", "2", "--max-new-tokens", "6", "--save", str(tmp_path / "ckpt"),
-                        "--save-interval", "3", *(["--max-staleness", worker] if worker else []))
+                        "--save-interval", "3", "--tensor-model-parallel-size", tp,
+                        *(["--max-staleness", worker] if worker else []))
         run_under_torchrun(2, *args, module="megatron_mimesis.rl.simulator_rl", timeout=900)
         served = server.prompt_logprobs(PROMPTS, RESPONSES)
     records = read_metrics(tmp_path / "run")
@@ -75,3 +79,21 @@ def test_a_served_policy_takes_every_update_in_place(worker, tiny_dataset, peake
     print(f"MEASURED served vs final weights {_max_diff(served, final):.3g}; start vs final {_max_diff(start, final):.3g}")
     assert _max_diff(start, final) > 4 * SERVED_TOLERANCE  # the run moved the policy: the check tells them apart
     assert _max_diff(served, final) <= SERVED_TOLERANCE
+
+
+def test_a_signal_reaches_both_workers_of_a_tp2_group_and_the_requeue_goes_on(tiny_dataset, peaked_policy, tmp_path):
+    """SIGTERM as iteration 2's update starts, while the two ranks' workers play iteration 3 a version ahead: they
+    agree to stop at the same generate call (one left alone would wait in a broadcast forever), iteration 1 is
+    saved, and the requeued run trains iterations 2 and 3 against the same server."""
+    with VLLMServer(peaked_policy, tmp_path / "server.log", tokenizer=tiny_dataset / "tokenizer") as server:
+        options = {"base_url": server.base_url, "model": "tiny", "weights_dir": str(tmp_path / "weights")}
+        args = _rl_args(tiny_dataset, peaked_policy, tmp_path, "--engine", "served", "--engine-options",
+                        json.dumps(options), "--bf16", "--train-iters", "3", "--prompts-per-step", "2",
+                        "--rollouts-per-prompt", "2", "--max-new-tokens", "6", "--save", str(tmp_path / "ckpt"),
+                        "--save-interval", "10", "--tensor-model-parallel-size", "2", "--max-staleness", "1")
+        preempted = run_under_torchrun(2, "signal", "simulator", *args, module="tests.rl.worker_faults", check=False,
+                                       timeout=600)
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() == "1", (preempted.stdout + preempted.stderr)[-4000:]
+        assert json.loads((tmp_path / "run" / "exit.json").read_text())["iteration"] == 1
+        run_under_torchrun(2, *args, module="megatron_mimesis.rl.simulator_rl", timeout=600)
+    assert [r["iteration"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]

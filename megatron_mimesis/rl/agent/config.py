@@ -84,6 +84,15 @@ class AgentRLConfig(RLConfig):
             raise ConfigError(f"user_model=local decodes the simulator with the local engine (no KV cache, full "
                               f"[tokens, vocab] logits per token): tiny presets only {TINY_PRESETS}, not "
                               f"{self.model!r}; serve the simulator (vllm serve) and use user_model=openai")
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size > 1
+        if self.max_staleness is not None and model_parallel:
+            for name, value, why in (("user_model", "local", "samples the simulator with the trainer's process "
+                                      "groups from the rollout worker's thread"),
+                                     ("coach", "policy", "samples the notes from the rollout engine on the "
+                                      "trainer's thread while the worker samples from it")):
+                if getattr(self, name) == value:
+                    raise ConfigError(f"{name}={value} with max_staleness at model-parallel size > 1: it {why}; "
+                                      f"serve it (openai) or keep max_staleness unset")
 
     def _check_local_user_model(self, load: str) -> None:
         """A local user model runs in the agent's processes with the agent's architecture, layout and tokenizer:
