@@ -17,7 +17,8 @@
 # the RL stages take their demo settings from rl_demo_defaults (called after sourcing this file).
 # Environment overrides: CONFIG, PYTHON, NPROC (processes per node; GPUS_PER_NODE, its SLURM name, works too), NNODES,
 # NODE_RANK, MASTER_ADDR, MASTER_PORT, DATA_PATH, SAVE, PRETRAINED_HF, SHUTDOWN_TIMEOUT, MIMESIS_DEMO (0: not the demo
-# even with its config, as the pipeline runs it), and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
+# even with its config, as the pipeline runs it), ROLLOUT_* (an RL stage's split layout under SLURM: rollout_side),
+# and any NCCL_* / CUDA_* / OMP_NUM_THREADS.
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TRAIN_MODULE="${TRAIN_MODULE:-megatron_mimesis.training.train}"
@@ -134,6 +135,69 @@ add_env_flags() {
   if [[ -n "${PRETRAINED_HF:-}" ]]; then train_args+=(--pretrained-hf "$PRETRAINED_HF"); fi
 }
 
+# The split layout of an RL stage under SLURM (ROLLOUT_NODES=1): the job's first node serves the policy with vLLM's
+# OpenAI server and the others train, with engine=served pointed at it (rl/engines/served.py); run_srun starts the
+# server, waits until it answers, then the trainer, and stops the server when the trainer ends. ROLLOUT_MODEL: the HF
+# directory the server starts from (default the config's pretrained_hf; the trainer sends its own weights before the
+# first rollout, so only the architecture must match); ROLLOUT_ARGS: vLLM flags (e.g. "--tensor-parallel-size 2
+# --data-parallel-size 4" on 8 GPUs); ROLLOUT_PYTHON (default PYTHON), ROLLOUT_PORT (8000), ROLLOUT_START_TIMEOUT
+# (1800 s); ROLLOUT_WEIGHTS_DIR: the directory both sides see for the weight updates (default <log_dir>/rollout-weights).
+rollout_side() {
+  ((ROLLOUT_NODES == 1)) || die "ROLLOUT_NODES=$ROLLOUT_NODES: the split layout takes one rollout node (one vLLM server)"
+  ((${#hosts[@]} > 1)) || die "ROLLOUT_NODES=1 needs a job of 2 nodes or more: the first serves, the others train"
+  local model="${ROLLOUT_MODEL:-$(config_value pretrained_hf)}" args=() weights
+  [[ -n "$model" ]] || die "ROLLOUT_NODES=1: set ROLLOUT_MODEL, the HF directory the rollout server starts from"
+  read -ra args <<<"${ROLLOUT_ARGS:-}"
+  weights="$(realpath -m "${ROLLOUT_WEIGHTS_DIR:-$(dirname "$(exit_record)")/rollout-weights}")"
+  rollout_url="http://$(node_address "${hosts[0]}"):${ROLLOUT_PORT:-8000}"
+  rollout_cmd=(srun --nodes=1 --ntasks=1 --relative=0 --kill-on-bad-exit=1 env VLLM_SERVER_DEV_MODE=1
+    "${ROLLOUT_PYTHON:-$PYTHON}" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name policy
+    --host 0.0.0.0 --port "${ROLLOUT_PORT:-8000}" "${args[@]}")
+  local engine=(--engine served --engine-options
+    "{\"base_url\": \"$rollout_url/v1\", \"model\": \"policy\", \"weights_dir\": \"$weights\"}")
+  train_args+=("${engine[@]}")
+  trainer+=("${engine[@]}")
+}
+
+# The rollout server of a split layout, in the background until it answers /health, its output (vLLM's and srun's) in
+# <log_dir>/rollout-server.log; run_srun stops it at the end.
+start_rollout_server() {
+  rollout_log="$(dirname "$(exit_record)")/rollout-server.log"
+  mkdir -p "$(dirname "$rollout_log")"
+  "${rollout_cmd[@]}" >>"$rollout_log" 2>&1 &
+  rollout_pid=$!
+  echo "rollout server: starting on ${hosts[0]} ($rollout_url), its log in $rollout_log" >&2
+  "$PYTHON" -c 'import os, sys, time, urllib.request
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    try:
+        os.kill(int(sys.argv[2]), 0)
+    except ProcessLookupError:
+        sys.exit("error: the rollout server exited before it answered")
+    try:
+        with urllib.request.urlopen(sys.argv[1] + "/health", timeout=5) as answer:
+            if answer.status == 200:
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(2)
+sys.exit(f"error: the rollout server did not answer {sys.argv[1]}/health within {sys.argv[3]} s")' \
+    "$rollout_url" "$rollout_pid" "${ROLLOUT_START_TIMEOUT:-1800}" || {
+    echo "$(tail -n 5 "$rollout_log")" >&2
+    stop_rollout_server
+    exit 1
+  }
+  echo "rollout server: ready at $rollout_url" >&2
+}
+
+stop_rollout_server() {
+  [[ -n "${rollout_pid:-}" ]] || return 0
+  kill -TERM "$rollout_pid" 2>/dev/null || true
+  wait "$rollout_pid" 2>/dev/null || true
+  rollout_pid=
+  echo "rollout server: stopped" >&2
+}
+
 # A command line to read and to paste: words are quoted only where the shell needs it.
 quote_cmd() {
   local word out=()
@@ -170,6 +234,9 @@ print_dry_run() {
     echo "rendezvous: a store the batch shell holds on $MASTER_ADDR:${MASTER_PORT:-PORT} for the job step" \
       "(PORT: one free on $MASTER_ADDR when the job starts, unless MASTER_PORT is exported)"
     echo "on SIGUSR1 (sbatch --signal=B:USR1@...): forwarded to the trainer, which saves; then scontrol requeue"
+    if ((ROLLOUT_NODES)); then
+      echo "rollout server (first, until $rollout_url/health answers): $(quote_cmd "${rollout_cmd[@]}")"
+    fi
   else
     quote_cmd "${torchrun_cmd[@]}"
   fi
@@ -225,6 +292,7 @@ run_srun() {
     return 0
   fi
   start_rendezvous_store
+  if ((ROLLOUT_NODES)); then start_rollout_server; fi
   "${srun_cmd[@]}" &
   srun_pid=$!
   trap 'requeue=1; echo "SIGUSR1: asking the trainer to checkpoint and stop" >&2; kill -USR1 "$srun_pid"' USR1
@@ -237,6 +305,7 @@ run_srun() {
     kill -0 "$srun_pid" 2>/dev/null || break
   done
   trap - USR1 TERM
+  stop_rollout_server
   kill -KILL "$store_pid" 2>/dev/null || true
   launch_status "$status" "$record" || said=$?
   if ((requeue)); then  # last: the requeue ends this batch shell
@@ -289,8 +358,8 @@ slurm_commands() {
   # and its ranks could be bound to a single core.
   local cpus=()
   if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
-  srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${cpus[@]}" --kill-on-bad-exit=1
-    bash -c "$node_cmd")
+  srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --relative="$ROLLOUT_NODES" "${cpus[@]}"
+    --kill-on-bad-exit=1 bash -c "$node_cmd")
 }
 
 run_demo_data() {
@@ -340,6 +409,7 @@ launch() {
 
   local arg dry_run=0 demo=0 gpus
   train_args=()
+  ROLLOUT_NODES="${ROLLOUT_NODES:-0}"
   for arg in "$@"; do
     if [[ "$arg" == --dry-run ]]; then dry_run=1; else train_args+=("$arg"); fi
   done
@@ -350,6 +420,10 @@ launch() {
     # SLURM's pre-timeout signal may come before srun starts (a short limit, a slow start): noted from the start, so
     # that the batch shell does not die of it; with nothing trained yet, the job is then requeued as it is (run_srun)
     trap 'early_usr1=1' USR1
+  fi
+  if ((ROLLOUT_NODES)) && ! ((in_slurm)); then
+    die "ROLLOUT_NODES=$ROLLOUT_NODES: the split layout is a SLURM job's; elsewhere start a vLLM server of the policy" \
+      "(VLLM_SERVER_DEV_MODE=1) and pass --engine served --engine-options '{\"base_url\": ...}'"
   fi
   gpus="$(gpu_count)"
   local chosen="from CONFIG"
@@ -383,8 +457,9 @@ launch() {
     local hosts
     mapfile -t hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}")
     ((${#hosts[@]} > 0)) || die "scontrol show hostnames $SLURM_JOB_NODELIST gave no hosts"
-    export MASTER_ADDR="${MASTER_ADDR:-$(node_address "${hosts[0]}")}"
-    export NNODES="${NNODES:-${SLURM_NNODES:-${#hosts[@]}}}"
+    if ((ROLLOUT_NODES)); then rollout_side; fi
+    export MASTER_ADDR="${MASTER_ADDR:-$(node_address "${hosts[ROLLOUT_NODES]}")}"
+    export NNODES="${NNODES:-$((${SLURM_NNODES:-${#hosts[@]}} - ROLLOUT_NODES))}"
     local allocated="${SLURM_GPUS_ON_NODE:-0}"
     if ((allocated > 0 || gpus > 0)); then
       export GPUS_PER_NODE="${GPUS_PER_NODE:-${NPROC:-$((allocated > 0 ? allocated : gpus))}}"
