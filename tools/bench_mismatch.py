@@ -39,18 +39,11 @@ ACTED = "is_truncated_frac"  # TIS at the default cap: the share of tokens whose
 
 
 def _state_sizes(preset_name: str = "9b") -> dict:
-    """Bytes per sequence of the DeltaNet states (recurrent in fp32 / bf16, conv in bf16) and per token of the
-    attention KV cache, at TP=1 (each divides by TP)."""
+    """The state cache sizes of ``preset_name`` (``rl/rollout_plan.engine_state_sizes``), with its name."""
     from megatron_mimesis.models.presets import get_preset
+    from megatron_mimesis.rl.rollout_plan import engine_state_sizes
 
-    p = get_preset(preset_name)
-    deltanet = p.layer_types().count("linear_attention")
-    attention = p.num_layers - deltanet
-    recurrent = deltanet * p.linear_num_value_heads * p.linear_key_head_dim * p.linear_value_head_dim
-    conv_channels = 2 * p.linear_num_key_heads * p.linear_key_head_dim + p.linear_num_value_heads * p.linear_value_head_dim
-    return {"preset": preset_name, "recurrent_fp32_bytes": 4 * recurrent, "recurrent_bf16_bytes": 2 * recurrent,
-            "conv_bf16_bytes": 2 * deltanet * conv_channels * (p.linear_conv_kernel_dim - 1),
-            "kv_bf16_bytes_per_token": 2 * attention * p.num_query_groups * p.head_dim * 2}
+    return {"preset": preset_name, **engine_state_sizes(get_preset(preset_name))}
 
 
 def _trainer_and_engine(hf_dir, tokenizer, state_dtype: str, max_model_len: int):

@@ -9,6 +9,10 @@ flags overrides the file (``--tensor-model-parallel-size 8``, ``--recompute-gran
 checked (model, layout, batch): no dataset, tokenizer or checkpoint has to exist. Exit 0 when every stage and phase
 fits the GPU with the kept margin; 2, with the one-line reason (its biggest term and the cheapest change that fits),
 when it does not or the config is invalid.
+
+An RL config with ``engine: served`` (a split layout: ``--engine served``) is planned on both sides: the trainer's
+GPUs (``--nodes`` of them, no engine) as above, then the rollout side's vLLM server (``rl/rollout_plan.py``) on
+``--rollout-gpus`` GPUs as instances of ``--rollout-tensor-parallel``, at sequences of ``--rollout-max-model-len``.
 """
 
 import argparse
@@ -34,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, help="nodes of the job (default: the stage's sbatch file, else 1)")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the stage's sbatch file, else 8)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    parser.add_argument("--rollout-gpus", type=int, default=8, help="engine=served: the rollout server's GPUs (8)")
+    parser.add_argument("--rollout-tensor-parallel", type=int, default=1,
+                        help="engine=served: the server's tensor parallel size per instance (1)")
+    parser.add_argument("--rollout-max-model-len", type=int, default=32768,
+                        help="engine=served: the longest sequence the server holds (32768)")
+    parser.add_argument("--rollout-gpu-memory-utilization", type=float, default=0.9,
+                        help="engine=served: vLLM's share of each GPU (0.9)")
     args, stage_flags = parser.parse_known_args(argv)
 
     from megatron_mimesis.compat import prepare_cpu_process
@@ -58,8 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return print_plan(plan, refusal, resolved={} if args.json else None, table=not args.json)
+    server = None
+    if stage in RL_STAGES and config.engine == "served":
+        from megatron_mimesis.rl.rollout_plan import rollout_server_plan
 
+        try:
+            server = rollout_server_plan(config, args.rollout_gpus, args.rollout_tensor_parallel,
+                                         args.rollout_max_model_len, args.rollout_gpu_memory_utilization)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    resolved = ({"rollout_plan": server.to_dict()} if server else {}) if args.json else None
+    status = print_plan(plan, refusal, resolved=resolved, table=not args.json)
+    if server is not None and not args.json:
+        print()
+        print(server.render())
+    return status or (0 if server is None or server.fits else 2)
 
 if __name__ == "__main__":
     sys.exit(main())

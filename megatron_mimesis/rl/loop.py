@@ -306,6 +306,8 @@ class RLLoop:
                 position = next_position
                 # the trainer's idle time: waiting for the step's rollouts, and for the engine to take the weights
                 record.update(clock.tick(record.pop("trainer_wait_s", 0.0) + record.get("weight_sync_wait_s", 0.0)))
+                if self.worker is not None:  # a stop also waits for the worker's generate call in progress
+                    self._longest_phase = max(self._longest_phase, self.engine.longest_call_s())
                 # the longest on any rank: what a signal waits for is the slowest rank's phase
                 longest = torch.tensor([self._longest_phase], dtype=torch.float64, device=self.device)
                 dist.all_reduce(longest, op=dist.ReduceOp.MAX)

@@ -1,6 +1,8 @@
 """What the RL stages add to the memory plan (``training/memory``): the policy loss on packed micro-batches of up to
-``max_tokens_per_microbatch`` tokens, the frozen copies some configurations hold, and the colocated vLLM engine,
-asleep while the trainer steps and holding its ``gpu_memory_utilization`` share while it samples."""
+``max_tokens_per_microbatch`` tokens, the frozen copies some configurations hold (the local rollout worker's copy of the
+policy among them), and the colocated vLLM engine, asleep while the trainer steps and holding its
+``gpu_memory_utilization`` share while it samples. A served engine (a split layout) holds nothing on the trainer's GPUs;
+its own side is ``rollout_plan.py``'s."""
 
 import math
 from dataclasses import dataclass
@@ -52,7 +54,9 @@ def rl_workload(config) -> Workload:
         config.max_tokens_per_microbatch
     pipeline = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
     frozen = (("KL reference",) if config.kl_coef else ()) + \
-        (("local user simulator",) if getattr(config, "user_model", None) == "local" else ())
+        (("local user simulator",) if getattr(config, "user_model", None) == "local" else ()) + \
+        (("rollout worker's copy of the policy",) if config.engine == "local" and config.max_staleness is not None
+         else ())
     return Workload(tokens=tokens, microbatches=2 * pipeline,
                     description=f"packed micro-batches of up to {tokens} tokens",
                     head=PolicyHead(csd=bool(getattr(config, "csd_alpha", 0.0)), kl=bool(config.kl_coef),

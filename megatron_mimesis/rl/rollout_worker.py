@@ -49,19 +49,29 @@ class VersionedEngine:
         self.version = 0
         self._turns = threading.Condition()
         self._generating = self._update_waiting = False
+        self._longest_call_s = 0.0
 
     def generate(self, prompts, sampling):
         with self._turns:
             self._turns.wait_for(lambda: not (self._generating or self._update_waiting))
             self._generating = True
             version = self.version
+        start = time.perf_counter()
         try:
             generations = self.engine.generate(prompts, sampling)
         finally:
             with self._turns:
                 self._generating = False
+                self._longest_call_s = max(self._longest_call_s, time.perf_counter() - start)
                 self._turns.notify_all()
         return [replace(g, policy_version=version) for g in generations]
+
+    def longest_call_s(self) -> float:
+        """The longest generate call since the last time this was asked: what a stop waits for when it closes the
+        worker, beside the trainer's own phases (the lead times cover the longest of them)."""
+        with self._turns:
+            longest, self._longest_call_s = self._longest_call_s, 0.0
+        return longest
 
     def publish(self, load_weights, version: int) -> float:
         """``load_weights()`` (the trainer's weights into the engine) once no generate call runs, as ``version``;
