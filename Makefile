@@ -75,7 +75,7 @@ bench: $(STAMP)
 	$(PY) -m megatron_mimesis.kernels.bench
 
 bench-engines: $(VLLM_STAMP)
-	$(VLLM_PY) tools/bench_engines.py
+	$(VLLM_PY) tools/bench/bench_engines.py
 
 # A private SLURM cluster on this machine (4 nodes x 2 CPUs, its own munge key and ports; Debian's slurm-wlm, as root)
 # to try the cluster path with the shipped sbatch files: it prints the SLURM_CONF to export.

@@ -11,9 +11,10 @@ setup(
     # top-level package named `kernels` clashes with an existing PyPI package.
     # `tools/` is imported as megatron_mimesis.tools for the same reason (a top-level `tools` is anyone's name).
     packages=find_packages(include=["megatron_mimesis", "megatron_mimesis.*", "data_prep"])
-    + ["megatron_mimesis.kernels", "megatron_mimesis.tools"]
+    + ["megatron_mimesis.kernels", "megatron_mimesis.tools", "megatron_mimesis.tools.bench"]
     + [f"megatron_mimesis.kernels.{p}" for p in find_packages(where="kernels")],
-    package_dir={"megatron_mimesis.kernels": "kernels", "megatron_mimesis.tools": "tools"},
+    package_dir={"megatron_mimesis.kernels": "kernels", "megatron_mimesis.tools": "tools",
+                 "megatron_mimesis.tools.bench": "tools/bench"},
     package_data={"megatron_mimesis.checkpoint": ["*.jinja"],
                   "megatron_mimesis.rl.agent": ["templates/*.txt"],
                   "megatron_mimesis.eval": ["templates/*.txt", "data/*.yaml"]},
@@ -50,7 +51,7 @@ setup(
             "mimesis-plot-run = megatron_mimesis.tools.plot_run:main",
             "mimesis-eval-agent = megatron_mimesis.tools.eval_agent:main",
             "mimesis-eval-simulator = megatron_mimesis.tools.eval_simulator:main",
-            "mimesis-bench-convert = megatron_mimesis.tools.bench_convert:main",
+            "mimesis-bench-convert = megatron_mimesis.tools.bench.bench_convert:main",
             "mimesis-plan = megatron_mimesis.tools.plan:main",
             "mimesis-serve = megatron_mimesis.tools.serve_simulator:main",
         ]

@@ -39,7 +39,7 @@ class RLConfig(TrainConfig):
     generation_timeout_s: float | None = None  # a generate call running longer is a hard error, not a hang
     # the vLLM engine's Gated DeltaNet recurrent state (its mamba_ssm_cache_dtype), for a family with one (Qwen3.5):
     # float32 as the trainer keeps it and the released configs ask. bfloat16 halves the state cache and its decode traffic, at the cost of a
-    # state rounded to bf16 at every decoded token; tools/bench_mismatch.py prints both sizes for a preset and
+    # state rounded to bf16 at every decoded token; tools/bench/bench_mismatch.py prints both sizes for a preset and
     # measures the mismatch each gives
     engine_deltanet_state_dtype: str = "float32"
     # Asynchronous RL (rl/rollout_worker.py). None: the synchronous loop, the engine asleep while the trainer steps.

@@ -43,7 +43,7 @@ def _save(rank, world_size, root: str, layout: dict, load: str | None) -> dict:
     from megatron_mimesis.models.presets import preset_record
     from megatron_mimesis.training.config import TrainConfig
     from megatron_mimesis.training.train import Trainer
-    from tools.bench_async_save import _random_adam_state
+    from tools.bench.bench_async_save import _random_adam_state
 
     enable_cpu_compat(announce=False)
     config = TrainConfig(model_overrides=WIDE, save=root, async_save=False, **layout)
@@ -134,7 +134,7 @@ def _former_format_round_trip(rank, world_size, root: str) -> bool:
     from megatron_mimesis.models.presets import preset_record
     from megatron_mimesis.training.config import TrainConfig
     from megatron_mimesis.training.train import Trainer
-    from tools.bench_async_save import _random_adam_state, former_state
+    from tools.bench.bench_async_save import _random_adam_state, former_state
 
     enable_cpu_compat(announce=False)
     config = TrainConfig(model_overrides={"vocab_size": 512})

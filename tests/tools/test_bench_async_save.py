@@ -1,4 +1,4 @@
-"""``python tools/bench_async_save.py`` in its smallest form (the tiny model on 2 ranks): a row per way and rank with
+"""``python tools/bench/bench_async_save.py`` in its smallest form (the tiny model on 2 ranks): a row per way and rank with
 its blocking time, bytes written and peak memory, and a JSON report; the checkpoints are removed once measured."""
 
 import json
@@ -13,7 +13,7 @@ from tests.training.conftest import REPO
 
 @pytest.mark.slow
 def test_the_smallest_run_reports_each_way_and_rank(tmp_path, checkout_untouched):
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_async_save.py"), "--hidden", "64", "--ffn",
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "bench_async_save.py"), "--hidden", "64", "--ffn",
                            "128", "--vocab", "512", "--output", str(tmp_path / "out")], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""``python tools/bench_convert.py`` in its smallest form (the tiny preset, one depth): it runs the conversion CLIs,
+"""``python tools/bench/bench_convert.py`` in its smallest form (the tiny preset, one depth): it runs the conversion CLIs,
 prints their wall time and peak RSS per GiB of checkpoint with the round trip's verdict, and writes its JSON under
 ``runs/``. The 4B / 9B runs themselves are benchmarks, not tests (docs/development.md, Benchmarks)."""
 
@@ -13,7 +13,7 @@ from tests.training.conftest import REPO
 
 @pytest.mark.slow
 def test_the_smallest_run_reports_rss_per_checkpoint_gib_and_a_bit_exact_round_trip(tmp_path, checkout_untouched):
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_convert.py"), "--preset", "tiny", "--layers",
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "bench_convert.py"), "--preset", "tiny", "--layers",
                            "4", "--workdir", str(tmp_path / "work")], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

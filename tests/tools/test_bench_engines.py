@@ -1,4 +1,4 @@
-"""``make bench-engines`` (``tools/bench_engines.py`` in the vLLM environment) in its smallest form: both engines
+"""``make bench-engines`` (``tools/bench/bench_engines.py`` in the vLLM environment) in its smallest form: both engines
 run, the table has a row per engine with its ratio to the local engine, and the JSON goes under ``runs/``."""
 
 import json
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_both_engines_are_measured_beside_each_other(tmp_path, checkout_untouched):
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_engines.py"), "--prompts", "2",
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "bench_engines.py"), "--prompts", "2",
                            "--prompt-tokens", "4", "--new-tokens", "4", "--repeats", "1"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""``tools/bench_eval_agent.py`` in its smallest form: the same evaluation through transformers and through a real
+"""``tools/bench/bench_eval_agent.py`` in its smallest form: the same evaluation through transformers and through a real
 vLLM server of the same export, episodes per minute side by side with the ratio, the JSON under ``--output``."""
 
 import json
@@ -16,7 +16,7 @@ def test_the_served_agent_is_measured_beside_the_transformers_one(tmp_path, tiny
                                                                    checkout_untouched):
     eval_args = ("--env toy --env-options '{\"num_tasks\": 4, \"max_words\": 3}' --trials 1 --max-agent-turns 2 "
                  "--max-new-tokens 4 --no-agent-thinking --user scripted=scripted:toy")
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_eval_agent.py"), "--export",
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench" / "bench_eval_agent.py"), "--export",
                            str(tiny_hf_checkpoint), "--tokenizer", str(tiny_dataset / "tokenizer"), "--eval-args",
                            eval_args, "--output", str(tmp_path / "out")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=900)

@@ -1,4 +1,4 @@
-"""tools/bench_mismatch.py: the state-cache arithmetic by hand, where it may write, and its smallest run on real vLLM
+"""tools/bench/bench_mismatch.py: the state-cache arithmetic by hand, where it may write, and its smallest run on real vLLM
 (the engine keeps an fp32 recurrent state, every length and turn is measured, the mismatch is bf16-small)."""
 
 import json
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench_mismatch
+from tools.bench import bench_mismatch
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tools" / "bench_mismatch.py"
+SCRIPT = REPO / "tools" / "bench" / "bench_mismatch.py"
 
 
 def test_state_cache_sizes_of_the_9b_preset_by_hand():

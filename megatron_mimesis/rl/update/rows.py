@@ -8,7 +8,7 @@ the KL reference's; later the rollout-correction weights). :meth:`StepRows.gathe
 rows through ``all_gather`` of their sizes and of four tensors; every rank needs them all, since the micro-batch plan balances the rows
 across ranks by token count and FoldGRPO's group statistics read every rollout. Before, every rank built per-token
 Python lists of all ranks' rows and received them pickled through ``all_gather_object``: tens of seconds and GBs of
-host memory a step at ~20M tokens (``tools/bench_rl_rows.py`` measures both ways at ~2M tokens).
+host memory a step at ~20M tokens (``tools/bench/bench_rl_rows.py`` measures both ways at ~2M tokens).
 """
 
 from dataclasses import dataclass, replace

@@ -1,7 +1,7 @@
 """Agent evaluation through transformers (the baseline) vs through a vLLM server of the same export: episodes per
 minute of ``tools/eval_agent.py`` on the same tasks, users and settings, measured in one run.
 
-    python tools/bench_eval_agent.py --export DIR --tokenizer DIR --definition launch/pipelines/demo.yaml
+    python tools/bench/bench_eval_agent.py --export DIR --tokenizer DIR --definition launch/pipelines/demo.yaml
         [--server-stage simulator_server] [--eval-args "..."] [--output DIR]
 
 The server is started the way the pipeline starts a serve stage of ``--definition`` (its python and its vLLM
@@ -23,7 +23,7 @@ from megatron_mimesis.pipeline import definition
 from megatron_mimesis.pipeline.processes import Child, free_port, wait_ready
 from megatron_mimesis.pipeline.stages import Output, serve_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EVAL_ARGS = ("--env toy --env-options '{\"num_tasks\": 512, \"max_words\": 3}' --trials 2 --max-agent-turns 3 "
                      "--max-new-tokens 10 --no-agent-thinking --user scripted=scripted:toy --seed 0")
 SERVED_NAME = "bench-agent"

@@ -2,7 +2,7 @@
 save takes it: the trainer's state (a model and megatron's distributed optimizer, data parallel over ``--ranks``
 gloo processes) saved three ways, each through the trainer's own save request (``checkpoint/writer.save_request``).
 
-    python tools/bench_async_save.py [--ranks 2] [--hidden 512] [--ffn 2048] [--vocab 8192] [--output DIR]
+    python tools/bench/bench_async_save.py [--ranks 2] [--hidden 512] [--ffn 2048] [--vocab 8192] [--output DIR]
 
 * ``sync``: megatron's ``fully_reshardable`` optimizer state through its plain torch_dist strategy, written in the
   step: the save this project made before its saves were fully parallel (every rank all-gathers its tensor-parallel

@@ -3,7 +3,7 @@ update used to do it (the baseline: every rank's rows pickled through ``all_gath
 lists of every row) and the way it does now (``rl/update/rows.StepRows``: four tensors all-gathered, micro-batches
 cut from them).
 
-    python tools/bench_rl_rows.py [--tokens 2e6] [--ranks 2] [--row-tokens 2048] [--output DIR]
+    python tools/bench/bench_rl_rows.py [--tokens 2e6] [--ranks 2] [--row-tokens 2048] [--output DIR]
 
 Each way runs in a fresh world of ``--ranks`` gloo processes on this machine, each rank holding its share of
 synthetic rows (a context, a response of a quarter of the row, old and engine log-probs and a CSD teacher's per

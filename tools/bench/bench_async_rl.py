@@ -1,7 +1,7 @@
 """Wall time per RL step, synchronous against a rollout worker ahead of the trainer: the numbers behind
 ``max_staleness``.
 
-    python tools/bench_async_rl.py --config launch/configs/demo_rl_agent.yaml [--steps 12] [--warmup 2]
+    python tools/bench/bench_async_rl.py --config launch/configs/demo_rl_agent.yaml [--steps 12] [--warmup 2]
                                    [--staleness sync 1 2] [--nproc 1] [--output runs/bench-async-rl] [-- FLAG ...]
 
 Runs the config's RL stage (``stage:`` in it) once per ``--staleness`` entry, through torchrun, for ``--steps`` steps
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -117,7 +117,7 @@ def report(results: dict, args) -> str:
 
 
 def main(argv=None) -> int:
-    from tools.bench_mismatch import output_dir
+    from tools.bench.bench_mismatch import output_dir
 
     args = parse_args(argv)
     output = output_dir(args.output)

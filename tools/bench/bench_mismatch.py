@@ -1,7 +1,7 @@
 """How far the rollout engine's log-probs drift from the trainer's over long rollouts, with vLLM's Gated DeltaNet
 state cache in fp32 and in bf16: the numbers behind ``engine_deltanet_state_dtype`` and the rollout correction.
 
-    python tools/bench_mismatch.py [--output runs/bench-mismatch] [--lengths 64 512 2048] [--rollouts 4]
+    python tools/bench/bench_mismatch.py [--output runs/bench-mismatch] [--lengths 64 512 2048] [--rollouts 4]
                                    [--turns 4] [--turn-tokens 128] [--state-dtypes float32 bfloat16]
                                    [--hf DIR [--tokenizer DIR]]
 
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -182,7 +182,7 @@ def output_dir(path: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python tools/bench_mismatch.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/bench/bench_mismatch.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default=str(REPO / "runs" / "bench-mismatch"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 512, 2048])
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts per length, episodes of the toy env")

@@ -1,8 +1,8 @@
 """Conversion benchmark: wall time and peak RSS of import (HF -> dist checkpoint) and export (-> HF) on synthetic
 checkpoints of one preset's widths and vocabulary at two or more depths, and the round trip check.
 
-    python tools/bench_convert.py [--preset 4b] [--layers 4 12] [--dtype bf16] [--workdir DIR] [--output DIR]
-    python tools/bench_convert.py --preset 9b --layers 32 --workdir /scratch/bench   # the paper's model, ~50 GiB disk
+    python tools/bench/bench_convert.py [--preset 4b] [--layers 4 12] [--dtype bf16] [--workdir DIR] [--output DIR]
+    python tools/bench/bench_convert.py --preset 9b --layers 32 --workdir /scratch/bench   # the paper's model, ~50 GiB disk
 
 Each phase runs as its own process (the CLI users run); peak RSS is sampled over that process and its children.
 Per phase it prints the peak RSS per GiB of checkpoint and, across the depths, the slope (extra RSS per extra GiB

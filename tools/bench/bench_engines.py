@@ -2,7 +2,7 @@
 colocated vLLM engine vs the local megatron engine (the baseline), and how closely vLLM's log-probs of its own
 samples match the trainer's.
 
-    python tools/bench_engines.py [--preset tiny] [--prompts 8] [--prompt-tokens 16] [--new-tokens 64]
+    python tools/bench/bench_engines.py [--preset tiny] [--prompts 8] [--prompt-tokens 16] [--new-tokens 64]
         [--repeats 3] [--engine-options JSON] [--output DIR]
 
 Runs in one process (a gloo world of one, TP=1, bf16), in the vLLM environment (``make venv-vllm``). Both
