@@ -22,3 +22,16 @@ def tiny_simulator(tiny_hf_checkpoint: Path, tiny_dataset: Path, work: Path) -> 
 
     import_from_hf(tiny_hf_checkpoint, work / "mcore")
     return export(work / "mcore", work / "export", tiny_dataset / "tokenizer")
+
+
+def peaked(hf_dir: Path, out: Path) -> Path:
+    """``hf_dir``'s model with its output layer scaled up 10x, saved to ``out``: random init gives ~uniform log-probs
+    (-6.2 at the tiny vocab), so one set of weights (or one position) could not be told from another."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    model.save_pretrained(out)
+    return out

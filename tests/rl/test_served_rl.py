@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_mimesis.checkpoint.conversion import export_to_hf
+from tests.exports import peaked
 from tests.rl.engines.test_vllm_colocated import TRAINER_TOLERANCE
 from tests.rl.test_simulator_rl import _rl_args
 from tests.training.conftest import read_metrics, run_under_torchrun
@@ -22,16 +23,8 @@ PROMPTS, RESPONSES = [[11, 40, 7, 301, 9], [5, 6]], [[17, 18, 19, 20], [99, 3, 7
 
 @pytest.fixture(scope="module")
 def peaked_policy(tiny_dataset, tiny_hf_checkpoint, tmp_path_factory):
-    """The tiny Qwen3.5 with its output layer scaled up, so that a log-prob tells one set of weights from another
-    (random init gives ~uniform log-probs), with its tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)
-    out = tmp_path_factory.mktemp("policy") / "peaked"
-    model.save_pretrained(out)
-    return out
+    """The tiny Qwen3.5 with its output layer scaled up, so that a log-prob tells one set of weights from another."""
+    return peaked(tiny_hf_checkpoint, tmp_path_factory.mktemp("policy") / "peaked")
 
 
 def _transformers_logprobs(model_dir) -> list[list[float]]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_mimesis.checkpoint.conversion import export_to_hf, import_from_hf
+from tests.exports import peaked
 from tests.rl.engines.test_vllm_colocated import ENGINE_OPTIONS, TRAINER_TOLERANCE
 from tests.rl.test_agent_rl import AGENT_RL
 from tests.rl.test_simulator_rl import _rl_args
@@ -72,15 +73,8 @@ def simulator_export(tiny_dataset, tiny_hf_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def peaked_agent(qwen3_hf_checkpoint, tmp_path_factory):
     """The tiny Qwen3 with its output layer scaled up, so that a log-prob tells one set of weights (or one position)
-    from another (random init gives ~uniform log-probs of -6.2)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(qwen3_hf_checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)
-    out = tmp_path_factory.mktemp("agent-hf") / "peaked"
-    model.save_pretrained(out)
-    return out
+    from another."""
+    return peaked(qwen3_hf_checkpoint, tmp_path_factory.mktemp("agent-hf") / "peaked")
 
 
 def _agent_rl(log_dir, save, simulator, qwen3_tokenizer, qwen3_hf_checkpoint):
