@@ -358,7 +358,10 @@ slurm_commands() {
   # and its ranks could be bound to a single core.
   local cpus=()
   if [[ -n "${SLURM_CPUS_ON_NODE:-}" ]]; then cpus=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
-  srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --relative="$ROLLOUT_NODES" "${cpus[@]}"
+  # a split layout's trainer runs on the nodes after the rollout node
+  local after_rollout=()
+  if ((ROLLOUT_NODES)); then after_rollout=(--relative="$ROLLOUT_NODES"); fi
+  srun_cmd=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${cpus[@]}" "${after_rollout[@]}"
     --kill-on-bad-exit=1 bash -c "$node_cmd")
 }
 
