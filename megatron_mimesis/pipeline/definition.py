@@ -34,7 +34,8 @@ SLURM_FIELDS = ("nodes", "gpus_per_node", "ntasks_per_node", "time", "partition"
 FIELDS = {
     "prep_midtrain": set(), "prep_sft": {"tokenizer"},
     "midtrain": {"config", "data", "load"}, "sft": {"config", "data", "load"},
-    "rl_simulator": {"config", "load", "prompts"}, "rl_agent": {"config", "load", "user", "user_options"},
+    "rl_simulator": {"config", "load", "prompts", "rollout"},
+    "rl_agent": {"config", "load", "user", "user_options", "rollout"},
     "export": {"load"}, "serve": {"model", "name", "python", "start_timeout_s"},
     "eval_simulator": {"simulators", "heldout"}, "eval_agent": {"agents", "users", "tokenizer"},
     INPUT: {"provides", "path"},
@@ -42,7 +43,7 @@ FIELDS = {
 HANDOFFS = {
     "tokenizer": ("data", "checkpoint", "hf"), "data": ("data",), "load": ("checkpoint", "hf"), "user": ("endpoint",),
     "model": ("hf",), "simulators": ("checkpoint", "hf"), "agents": ("hf", "endpoint"), "users": ("endpoint", "literal"),
-    "heldout": ("conversations",), "prompts": ("prompts",),
+    "heldout": ("conversations",), "prompts": ("prompts",), "rollout": ("endpoint",),
 }
 # a training stage starts from a checkpoint or from HF weights; an export is of a dist checkpoint
 KIND_HANDOFFS = {("export", "load"): ("checkpoint",)}

@@ -24,7 +24,7 @@ from megatron_mimesis.pipeline.processes import (
     wait_ready,
 )
 from megatron_mimesis.pipeline.resolve import Resolution, Resolved, check_server_python
-from megatron_mimesis.pipeline.stages import command, serve_command, stage_dir
+from megatron_mimesis.pipeline.stages import command, serve_command, stage_dir, takes_weight_updates
 
 SERVE_TIMEOUT_S = 900  # a 9B export loads and warms up in minutes; the CPU tiny one in one
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
@@ -98,8 +98,9 @@ class Runner:
         argv = serve_command(stage, resolved.inputs["model"], "127.0.0.1", port)
         say(f"stage {stage.name}: serving {resolved.inputs['model'].path} as {model} at {url} (log {directory}/stage.log)")
         started = time.monotonic()
-        child = Child(argv, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, directory / "stage.log",
-                      SERVER_GRACE_S)
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+               **takes_weight_updates(self.resolution.definition, stage.name)}
+        child = Child(argv, env, directory / "stage.log", SERVER_GRACE_S)
         self.servers[stage.name] = child
         wait_ready(url, model, timeout, child, what=f"stage {stage.name}'s server", stopped=self._stopped)
         output.endpoint = (url, model)
@@ -178,7 +179,8 @@ class Runner:
             port = int(os.environ.get("MIMESIS_SERVE_PORT") or free_port())  # a port of its own on a shared node
             url = f"http://{cluster.node_address()}:{port}/v1"
             argv = serve_command(stage, resolved.inputs["model"], "0.0.0.0", port)
-            child = self.current = Child(argv, {}, directory / "stage.log", SERVER_GRACE_S)
+            child = self.current = Child(argv, takes_weight_updates(self.resolution.definition, name),
+                                         directory / "stage.log", SERVER_GRACE_S)
             wait_ready(f"http://127.0.0.1:{port}/v1", str(stage.fields["name"]),
                        float(stage.fields.get("start_timeout_s", SERVE_TIMEOUT_S)), child,
                        what=f"stage {name}'s server", stopped=self._stopped)

@@ -275,7 +275,19 @@ def training_flags(stage: Stage, run_dir: Path, inputs: dict[str, Output]) -> li
         url, model = inputs["user"].endpoint or ("http://127.0.0.1:0/v1", "served-at-run-time")
         options = {**(stage.fields.get("user_options") or {}), "base_url": url, "model": model}
         flags += ["--user-model", "openai", "--user-model-options", _flag_json(options)]
+    if "rollout" in inputs:  # the split layout: the policy served by a serve stage, its weights through the stage dir
+        url, model = inputs["rollout"].endpoint or ("http://127.0.0.1:0/v1", "served-at-run-time")
+        options = {"base_url": url, "model": model, "weights_dir": str(out / "rollout-weights")}
+        flags += ["--engine", "served", "--engine-options", _flag_json(options)]
     return [*flags, *stage.args]
+
+
+def takes_weight_updates(definition, server: str) -> dict:
+    """The environment of a serve stage's server: vLLM's dev mode, whose endpoints take the trainer's weights, when a
+    training stage samples its rollouts from it (``rollout``); nothing for a server others only read."""
+    if any(stage.fields.get("rollout") == server for stage in definition.stages.values()):
+        return {"VLLM_SERVER_DEV_MODE": "1"}
+    return {}
 
 
 def server_python(stage: Stage) -> str:

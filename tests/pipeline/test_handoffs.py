@@ -286,3 +286,40 @@ def test_evaluation_stages_play_served_agents_read_given_conversations_and_resum
     argv, _ = command(simulators, tmp_path, {"simulators.sft": Output("checkpoint", tmp_path / "ckpt"),
                                              "heldout": Output("conversations", tmp_path / "h.jsonl")}, "python")
     assert argv[2:6] == ["--simulator", f"sft=ckpt:{tmp_path / 'ckpt'}", "--input", str(tmp_path / "h.jsonl")], argv
+
+
+def test_an_rl_stage_takes_its_rollouts_from_a_serve_stage_of_the_policy(tmp_path):
+    """The split layout in a pipeline: a serve stage of the agent's starting weights, which agent RL names as its
+    ``rollout``; the chain runs the server as a job of its own that agent RL starts after (its address handed over at
+    run time, as the simulator's), the server alone in dev mode, and agent RL's flags point the served engine at it
+    with a weights directory in the stage's own."""
+    from megatron_mimesis.pipeline.stages import Output, takes_weight_updates
+
+    data = yaml.safe_load(DEMO.read_text())
+    stages = {}
+    for name, stage in data["stages"].items():
+        if name == "agent_rl":  # a stage reads earlier stages only
+            stages["policy_server"] = {**data["stages"]["simulator_server"], "model": "agent_before", "name": "policy"}
+            stage = {**stage, "rollout": "policy_server", "args": ["--max-staleness", "1"]}
+        stages[name] = stage
+    data["stages"] = stages
+    split = tmp_path / "split.yaml"
+    split.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = pipeline("submit", split, "--dry-run", "--run-dir", tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    jobs = dict(re.findall(r"^== (\w+) \(\w+\): job <\w+>, (.+)$", result.stdout, re.M))
+    # the server starts when its reader can (agent RL also waits for the simulator's export) and lives as long
+    assert jobs["policy_server"] == ("1 node(s) x 0 GPU(s), time 2-00:10:00, after afterok:<agent_before>,"
+                                     "afterok:<simulator_export>"), jobs
+    assert jobs["agent_rl"].endswith("after:<simulator_server>,after:<policy_server>"), jobs
+    assert "--wrap=scancel <policy_server>" in result.stdout
+    loaded = definition.load(split, tmp_path / "run", {})
+    assert takes_weight_updates(loaded, "policy_server") == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert takes_weight_updates(loaded, "simulator_server") == {}  # a server others only read keeps dev mode off
+    served = Output("endpoint", endpoint=("http://n3:8123/v1", "policy"))
+    flags = training_flags(loaded.stages["agent_rl"], tmp_path / "run", {"rollout": served})
+    assert flags[flags.index("--engine"):flags.index("--engine") + 4] == [
+        "--engine", "served", "--engine-options", json.dumps({"base_url": "http://n3:8123/v1", "model": "policy",
+                                          "weights_dir": str(tmp_path / "run" / "agent_rl" / "rollout-weights")},
+                                         separators=(",", ":"))]
+    assert flags[-2:] == ["--max-staleness", "1"]
