@@ -40,20 +40,28 @@ class WorkerClosed(Exception):
 
 
 class VersionedEngine:
-    """A rollout engine over its own copy of the policy whose weights change only between two generate calls. A
-    waiting update goes before the next call: the worker plays its calls back to back, and the trainer would
-    otherwise wait through a whole step of them."""
+    """A rollout engine over its own copy of the policy whose weights change only between two generate calls.
 
-    def __init__(self, engine):
-        self.engine = engine
+    A started update goes before the next call: the worker plays its calls back to back, and the trainer would
+    otherwise wait through a whole step of them. The callers of one model-parallel group (``group``, whose calls
+    are collective) agree before each call on the updates started on any of their ranks and all wait for those:
+    a caller that went on alone would wait in the call for a peer that waits for its update, whose trainer waits
+    at the update's barrier for this caller's trainer, which waits for this caller's call to end."""
+
+    def __init__(self, engine, group=None):
+        self.engine, self.group = engine, group
         self.version = 0
         self._turns = threading.Condition()
-        self._generating = self._update_waiting = False
+        self._generating = False
+        self._started = self._done = 0  # weight updates begun, and finished, on this rank
         self._longest_call_s = 0.0
 
     def generate(self, prompts, sampling):
         with self._turns:
-            self._turns.wait_for(lambda: not (self._generating or self._update_waiting))
+            started = self._started
+        updates = group_max(started, self.group)
+        with self._turns:
+            self._turns.wait_for(lambda: self._done >= updates and not self._generating)
             self._generating = True
             version = self.version
         start = time.perf_counter()
@@ -78,7 +86,7 @@ class VersionedEngine:
         returns the seconds the trainer waited for the call in progress."""
         start = time.perf_counter()
         with self._turns:
-            self._update_waiting = True
+            self._started += 1
             self._turns.wait_for(lambda: not self._generating)
         waited = time.perf_counter() - start
         try:
@@ -86,7 +94,7 @@ class VersionedEngine:
             self.version = version
         finally:
             with self._turns:
-                self._update_waiting = False
+                self._done += 1
                 self._turns.notify_all()
         return waited
 
@@ -95,6 +103,15 @@ class VersionedEngine:
 
     def wake(self) -> None:
         self.engine.wake()
+
+
+def group_max(value: int, group) -> int:
+    """The largest ``value`` over the ranks of ``group``: collective over it when it has several ranks."""
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
 
 
 @dataclass
@@ -122,11 +139,7 @@ class WorkerChecks:
 
     def any_rank(self, flag: bool) -> bool:
         """``flag`` on any rank of the group: collective over it when it has several ranks."""
-        if self.group is None or dist.get_world_size(self.group) == 1:
-            return flag
-        value = torch.tensor([float(flag)])
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
+        return bool(group_max(int(flag), self.group))
 
 
 class RolloutWorker:

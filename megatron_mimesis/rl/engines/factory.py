@@ -31,7 +31,7 @@ def build_rollout_engine(config, trainer, tokenizer, group):
     if config.max_staleness is not None:
         from megatron_mimesis.rl.rollout_worker import VersionedEngine
 
-        engine = VersionedEngine(engine)
+        engine = VersionedEngine(engine, group)
     return engine
 
 
