@@ -35,3 +35,18 @@ def peaked(hf_dir: Path, out: Path) -> Path:
         model.lm_head.weight.mul_(10.0)
     model.save_pretrained(out)
     return out
+
+
+def transformers_logprobs(model_dir: Path, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+    """transformers' log-prob (fp32) of each response token after its prompt: the reference a served model's
+    prompt log-probs (``tests/vllm_server.VLLMServer.prompt_logprobs``) are compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt, response in zip(prompts, responses, strict=True):
+            logprobs = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
+            rows.append([logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(response)])
+    return rows

@@ -149,6 +149,13 @@ class ModelFamily(ABC):
         without one."""
         return 0.0
 
+    def engine_cache_sizes(self, preset: Preset) -> dict:
+        """What an inference engine caches for the whole model (each divides by its TP): per token, the attention
+        layers' K and V in bf16; per sequence, the recurrent states (in fp32 and in bf16) and the causal convs' taps
+        of a family that has them. Here every layer is attention and nothing is recurrent."""
+        return {"kv_bf16_bytes_per_token": 2 * preset.num_layers * preset.num_query_groups * preset.head_dim * 2,
+                "recurrent_fp32_bytes": 0, "recurrent_bf16_bytes": 0, "conv_bf16_bytes": 0}
+
 
 def parameter_count(preset: Preset) -> int:
     """Trained parameters, up to norms and biases (<0.1%): the matmul weights plus an untied input embedding."""

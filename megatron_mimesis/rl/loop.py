@@ -164,8 +164,8 @@ class RLLoop:
         record = self._staleness(rows, version) if self.worker is not None else {}
         if samples_with_training_model(self.engine, self.trainer) or self.config.off_policy_loss == "behaviour":
             return rows, record
-        redo = [i for i, row in enumerate(rows)
-                if not (samples_with_policy_copy(self.engine) and row.policy_version == version)]
+        copy = samples_with_policy_copy(self.engine)
+        redo = [i for i, row in enumerate(rows) if not (copy and row.policy_version == version)]
         rows = list(rows)
         recomputed = recompute_old_logprobs(self.trainer.model, [rows[i] for i in redo],
                                             self.config.max_tokens_per_microbatch, self.device)

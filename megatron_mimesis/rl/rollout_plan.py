@@ -16,25 +16,6 @@ from megatron_mimesis.training.memory.plan import GIB, MemoryPlan, Row, gpu_capa
 SERVER_ALLOWANCE_GIB = 4.0
 
 
-def engine_state_sizes(preset) -> dict:
-    """Bytes per sequence of the Gated DeltaNet states (recurrent in fp32 and bf16, conv in bf16) and per token of the
-    attention KV cache (bf16), over the whole model (each divides by the engine's TP). A family without DeltaNet
-    layers (Qwen3) has attention layers only."""
-    layer_types = preset.layer_types() if hasattr(preset, "layer_types") else ["full_attention"] * preset.num_layers
-    deltanet = layer_types.count("linear_attention")
-    attention = preset.num_layers - deltanet
-    sizes = {"kv_bf16_bytes_per_token": 2 * attention * preset.num_query_groups * preset.head_dim * 2,
-             "recurrent_fp32_bytes": 0, "recurrent_bf16_bytes": 0, "conv_bf16_bytes": 0}
-    if deltanet:
-        p = preset
-        recurrent = deltanet * p.linear_num_value_heads * p.linear_key_head_dim * p.linear_value_head_dim
-        conv_channels = 2 * p.linear_num_key_heads * p.linear_key_head_dim + p.linear_num_value_heads * \
-            p.linear_value_head_dim
-        sizes.update(recurrent_fp32_bytes=4 * recurrent, recurrent_bf16_bytes=2 * recurrent,
-                     conv_bf16_bytes=2 * deltanet * conv_channels * (p.linear_conv_kernel_dim - 1))
-    return sizes
-
-
 def rollout_server_plan(config, gpus: int, tensor_parallel: int, max_model_len: int,
                         utilization: float = 0.9) -> MemoryPlan:
     """The server of ``config``'s policy on ``gpus`` GPUs of the config's kind, as instances of ``tensor_parallel``."""
@@ -44,7 +25,7 @@ def rollout_server_plan(config, gpus: int, tensor_parallel: int, max_model_len: 
         raise ValueError(f"{gpus} rollout GPUs do not split into instances of tensor parallel {tensor_parallel}")
     preset, capacity = config.preset, gpu_capacity_bytes(config)
     instances = gpus // tensor_parallel
-    sizes = engine_state_sizes(preset)
+    sizes = preset.family.engine_cache_sizes(preset)
     state_dtype = config.engine_deltanet_state_dtype
     state = sizes[f"recurrent_{'fp32' if state_dtype == 'float32' else 'bf16'}_bytes"] + sizes["conv_bf16_bytes"]
     weights = 2 * parameter_count(preset) / tensor_parallel
@@ -62,12 +43,12 @@ def rollout_server_plan(config, gpus: int, tensor_parallel: int, max_model_len: 
         Row("weights (bf16, 1/TP)", {column: weights}, "arithmetic: the preset's parameters x 2 bytes / TP", "parameters"),
         Row("activations, CUDA graphs, NCCL", {column: allowance}, "allowance: vLLM's profile run and graphs",
             "allowance"),
-        Row("KV and DeltaNet state cache", {column: max(cache, 0.0)},
+        Row("KV and recurrent-state cache", {column: max(cache, 0.0)},
             f"vLLM: the rest of its {utilization:g} share", "engine"),
         Row("KV cache per token (attention layers, bf16, 1/TP)", {column: sizes["kv_bf16_bytes_per_token"] /
                                                                    tensor_parallel / 1024},
             "arithmetic: 2 x attention layers x KV heads x head dim x 2 bytes", "engine", unit="KiB", counts=False),
-        Row(f"DeltaNet state per sequence ({state_dtype} recurrent, bf16 conv, 1/TP)",
+        Row(f"recurrent state per sequence ({state_dtype} state, bf16 conv, 1/TP)",
             {column: state / tensor_parallel / 2**20}, "arithmetic: engine_deltanet_state_dtype", "engine", unit="MiB",
             counts=False),
         Row(f"sequences of {max_model_len} tokens held at once, per instance", {column: held},

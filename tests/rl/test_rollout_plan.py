@@ -10,7 +10,7 @@ import pytest
 from megatron_mimesis.models.family import parameter_count
 from megatron_mimesis.models.presets import get_preset
 from megatron_mimesis.rl.agent.config import AgentRLConfig
-from megatron_mimesis.rl.rollout_plan import SERVER_ALLOWANCE_GIB, engine_state_sizes, rollout_server_plan
+from megatron_mimesis.rl.rollout_plan import SERVER_ALLOWANCE_GIB, rollout_server_plan
 from megatron_mimesis.training.memory.gpus import GPU_MEMORY_GIB
 from megatron_mimesis.training.memory.plan import GIB
 from tests.training.conftest import REPO
@@ -30,12 +30,12 @@ def test_the_9b_server_holds_what_its_cache_fits_by_hand():
     weights = 2 * parameter_count(get_preset("9b")) / 2
     assert rows["weights (bf16, 1/TP)"] == weights
     cache = 0.9 * GPU_MEMORY_GIB["A100-80GB"] * GIB - weights - SERVER_ALLOWANCE_GIB * GIB
-    assert rows["KV and DeltaNet state cache"] == pytest.approx(cache)
+    assert rows["KV and recurrent-state cache"] == pytest.approx(cache)
     # per GPU at TP=2: 8 attention layers x 4 KV heads x 256 x (k, v) x 2 bytes / 2 per token; 24 DeltaNet layers x 32
     # value heads x 128 x 128 fp32 states plus their bf16 conv taps / 2 per sequence
     assert rows["KV cache per token (attention layers, bf16, 1/TP)"] == 16
     state = (24 * 32 * 128 * 128 * 4 + 24 * 8192 * 3 * 2) / 2
-    assert rows["DeltaNet state per sequence (float32 recurrent, bf16 conv, 1/TP)"] == state / 2**20
+    assert rows["recurrent state per sequence (float32 state, bf16 conv, 1/TP)"] == state / 2**20
     held = rows["sequences of 32768 tokens held at once, per instance"]
     assert held == int(cache // (32768 * 16 * 1024 + state)) == 112
     assert rows["episodes one step plays (groups x rollouts per prompt)"] == 128
@@ -43,7 +43,8 @@ def test_the_9b_server_holds_what_its_cache_fits_by_hand():
 
 
 def test_a_dense_agent_has_no_deltanet_state_and_a_too_long_sequence_is_named():
-    sizes = engine_state_sizes(get_preset("qwen3-8b"))
+    preset = get_preset("qwen3-8b")
+    sizes = preset.family.engine_cache_sizes(preset)
     assert sizes["recurrent_fp32_bytes"] == sizes["conv_bf16_bytes"] == 0
     assert sizes["kv_bf16_bytes_per_token"] == 2 * 36 * 8 * 128 * 2
     config = AgentRLConfig(model="qwen3-8b", engine="served", engine_options=SERVED)

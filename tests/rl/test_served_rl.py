@@ -6,10 +6,9 @@ last weights: its prompt log-probs are transformers' on the run's export, not th
 import json
 
 import pytest
-import torch
 
 from megatron_mimesis.checkpoint.conversion import export_to_hf
-from tests.exports import peaked
+from tests.exports import peaked, transformers_logprobs
 from tests.rl.engines.test_vllm_colocated import TRAINER_TOLERANCE
 from tests.rl.test_simulator_rl import _rl_args
 from tests.training.conftest import read_metrics, run_under_torchrun
@@ -25,18 +24,6 @@ PROMPTS, RESPONSES = [[11, 40, 7, 301, 9], [5, 6]], [[17, 18, 19, 20], [99, 3, 7
 def peaked_policy(tiny_dataset, tiny_hf_checkpoint, tmp_path_factory):
     """The tiny Qwen3.5 with its output layer scaled up, so that a log-prob tells one set of weights from another."""
     return peaked(tiny_hf_checkpoint, tmp_path_factory.mktemp("policy") / "peaked")
-
-
-def _transformers_logprobs(model_dir) -> list[list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = []
-    with torch.no_grad():
-        for prompt, response in zip(PROMPTS, RESPONSES, strict=True):
-            logprobs = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
-            rows.append([logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(response)])
-    return rows
 
 
 def _max_diff(a, b) -> float:
@@ -67,8 +54,9 @@ def test_a_served_policy_takes_every_update_in_place(worker, tp, tiny_dataset, p
         assert sum(r["staleness/1"] for r in records) > 0 and all(r["staleness/0"] + r["staleness/1"] == r["rows"]
                                                                    for r in records)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000003"]  # the older versions removed
-    final = _transformers_logprobs(export_to_hf(tmp_path / "ckpt", tmp_path / "export", progress=False))
-    start = _transformers_logprobs(peaked_policy)
+    final = transformers_logprobs(export_to_hf(tmp_path / "ckpt", tmp_path / "export", progress=False), PROMPTS,
+                                  RESPONSES)
+    start = transformers_logprobs(peaked_policy, PROMPTS, RESPONSES)
     print(f"MEASURED served vs final weights {_max_diff(served, final):.3g}; start vs final {_max_diff(start, final):.3g}")
     assert _max_diff(start, final) > 4 * SERVED_TOLERANCE  # the run moved the policy: the check tells them apart
     assert _max_diff(served, final) <= SERVED_TOLERANCE

@@ -16,10 +16,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from megatron_mimesis.checkpoint.conversion import export_to_hf, import_from_hf
-from tests.exports import peaked
+from tests.exports import peaked, transformers_logprobs
 from tests.rl.engines.test_vllm_colocated import ENGINE_OPTIONS, TRAINER_TOLERANCE
 from tests.rl.test_agent_rl import AGENT_RL
 from tests.rl.test_simulator_rl import _rl_args
@@ -124,7 +123,7 @@ def test_a_requeue_resumes_the_qwen3_agent_bit_identically(trained):
 def test_the_qwen3_agents_export_runs_in_vllm_with_transformers_log_probs(trained, tmp_path):
     """The agent's checkpoint exported (the family read from it: a Qwen3ForCausalLM with the tokenizer's own, Qwen3,
     chat template) and served by a fresh vLLM: prompt log-probs as transformers computes them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     work, _, _, _ = trained
     out = tmp_path / "agent-export"
@@ -134,13 +133,8 @@ def test_the_qwen3_agents_export_runs_in_vllm_with_transformers_log_probs(traine
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     template = (REPO / "tests" / "fixtures" / "qwen3_chat_template.jinja").read_text()
     assert AutoTokenizer.from_pretrained(out).chat_template == template  # an agent keeps its tokenizer's template
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     prompts, responses = [[11, 40, 7, 301, 9], [5, 6]], [[17, 18, 19, 20], [99, 3, 7]]
-    expected = []
-    with torch.no_grad():
-        for prompt, response in zip(prompts, responses, strict=True):
-            logprobs = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
-            expected.append([logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(response)])
+    expected = transformers_logprobs(out, prompts, responses)
     with VLLMServer(out, tmp_path / "server.log") as server:
         served = server.prompt_logprobs(prompts, responses)
     assert min(lp for row in expected for lp in row) < -1.0  # peaked: the check can tell positions apart

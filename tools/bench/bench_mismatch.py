@@ -39,11 +39,11 @@ ACTED = "is_truncated_frac"  # TIS at the default cap: the share of tokens whose
 
 
 def _state_sizes(preset_name: str = "9b") -> dict:
-    """The state cache sizes of ``preset_name`` (``rl/rollout_plan.engine_state_sizes``), with its name."""
+    """The state cache sizes of ``preset_name`` (its family's ``engine_cache_sizes``), with its name."""
     from megatron_mimesis.models.presets import get_preset
-    from megatron_mimesis.rl.rollout_plan import engine_state_sizes
 
-    return {"preset": preset_name, **engine_state_sizes(get_preset(preset_name))}
+    preset = get_preset(preset_name)
+    return {"preset": preset_name, **preset.family.engine_cache_sizes(preset)}
 
 
 def _trainer_and_engine(hf_dir, tokenizer, state_dtype: str, max_model_len: int):

@@ -187,6 +187,17 @@ class Qwen35Family(ModelFamily):
         params = 2 * h * h + attention_params(preset, output_gate=True) + mlp_params(preset) + h * preset.vocab_size
         return preset.mtp_num_layers * (FLOPS_PER_MAC * params + causal_attention_flops(preset, seq_length))
 
+    def engine_cache_sizes(self, preset: Qwen35Preset) -> dict:
+        """The gated attention layers' KV per token; per sequence, every DeltaNet layer's recurrent state (value heads
+        x key dim x value dim) and its causal conv's last ``kernel - 1`` inputs over q, k and v, in bf16."""
+        p, kinds = preset, self.layer_kind_of(preset)
+        recurrent = kinds.count(DELTANET) * p.linear_num_value_heads * p.linear_key_head_dim * p.linear_value_head_dim
+        conv_channels = 2 * p.linear_num_key_heads * p.linear_key_head_dim + p.linear_num_value_heads * \
+            p.linear_value_head_dim
+        return {"kv_bf16_bytes_per_token": 2 * kinds.count(ATTENTION) * p.num_query_groups * p.head_dim * 2,
+                "recurrent_fp32_bytes": 4 * recurrent, "recurrent_bf16_bytes": 2 * recurrent,
+                "conv_bf16_bytes": 2 * kinds.count(DELTANET) * conv_channels * (p.linear_conv_kernel_dim - 1)}
+
 
 def _deltanet_params(p: Qwen35Preset) -> int:
     key_dim = p.linear_num_key_heads * p.linear_key_head_dim
